@@ -1,0 +1,193 @@
+"""BERT encoder in Flax linen, laid out like the Hugging Face / original TF1 BERT.
+
+Parameter paths mirror the HF names (`embeddings/word_embeddings`, `encoder/layer_3/attention/self/query`,
+`pooler/dense`, ...), so checkpoint conversion is a renaming plus kernel transposes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from realm_jax.models.config import RealmConfig
+
+Array = jax.Array
+
+
+def activation(name: str):
+  """BERT activations: `gelu_new` is the tanh approximation (REALM), `gelu` the exact erf form."""
+  return {
+      "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+      "gelu": functools.partial(jax.nn.gelu, approximate=False),
+      "relu": jax.nn.relu,
+  }[name]
+
+
+def _kernel_init(config: RealmConfig):
+  return nn.initializers.normal(stddev=config.initializer_range)
+
+
+def dense(config: RealmConfig, features: int, name: str) -> nn.Dense:
+  return nn.Dense(features, dtype=config.compute_dtype, param_dtype=jnp.float32,
+                  kernel_init=_kernel_init(config), name=name)
+
+
+def layer_norm(eps: float, name: str) -> nn.LayerNorm:
+  # Statistics in float32 whatever the compute dtype.
+  return nn.LayerNorm(epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
+
+
+class BertEmbeddings(nn.Module):
+  config: RealmConfig
+
+  def setup(self):
+    c = self.config
+    embed = functools.partial(nn.Embed, features=c.hidden_size, dtype=c.compute_dtype,
+                              param_dtype=jnp.float32, embedding_init=_kernel_init(c))
+    self.word_embeddings = embed(c.vocab_size)
+    self.position_embeddings = embed(c.max_position_embeddings)
+    self.token_type_embeddings = embed(c.type_vocab_size)
+    self.LayerNorm = layer_norm(c.layer_norm_eps, "LayerNorm")
+    self.dropout = nn.Dropout(c.hidden_dropout_prob)
+
+  def __call__(self, input_ids: Array, token_type_ids: Array, deterministic: bool) -> Array:
+    seq_len = input_ids.shape[-1]
+    positions = jnp.arange(seq_len)
+    x = (self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+         + self.position_embeddings(positions))
+    x = self.LayerNorm(x).astype(self.config.compute_dtype)
+    return self.dropout(x, deterministic=deterministic)
+
+
+class BertSelfAttention(nn.Module):
+  config: RealmConfig
+
+  @nn.compact
+  def __call__(self, x: Array, mask_bias: Array, deterministic: bool) -> Array:
+    c = self.config
+    heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
+    split = lambda t: t.reshape(*t.shape[:-1], heads, head_dim)  # [B, L, N, Dh]
+    q = split(dense(c, c.hidden_size, "query")(x))
+    k = split(dense(c, c.hidden_size, "key")(x))
+    v = split(dense(c, c.hidden_size, "value")(x))
+    q = q / jnp.sqrt(head_dim).astype(q.dtype)
+    scores = jnp.einsum("...qnd,...knd->...nqk", q, k).astype(jnp.float32)  # [B, N, Lq, Lk]
+    probs = jax.nn.softmax(scores + mask_bias, axis=-1)
+    probs = nn.Dropout(c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
+    ctx = jnp.einsum("...nqk,...knd->...qnd", probs.astype(v.dtype), v)
+    return ctx.reshape(*ctx.shape[:-2], c.hidden_size)
+
+
+class BertOutput(nn.Module):
+  """dense -> dropout -> LayerNorm(. + residual): HF's `*.output` blocks."""
+  config: RealmConfig
+  features: int
+
+  @nn.compact
+  def __call__(self, x: Array, residual: Array, deterministic: bool) -> Array:
+    c = self.config
+    x = nn.Dropout(c.hidden_dropout_prob)(dense(c, self.features, "dense")(x), deterministic)
+    return layer_norm(c.layer_norm_eps, "LayerNorm")(x + residual).astype(c.compute_dtype)
+
+
+class BertAttention(nn.Module):
+  config: RealmConfig
+
+  @nn.compact
+  def __call__(self, x: Array, mask_bias: Array, deterministic: bool) -> Array:
+    ctx = BertSelfAttention(self.config, name="self")(x, mask_bias, deterministic)
+    return BertOutput(self.config, self.config.hidden_size, name="output")(ctx, x, deterministic)
+
+
+class BertIntermediate(nn.Module):
+  config: RealmConfig
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    c = self.config
+    return activation(c.hidden_act)(dense(c, c.intermediate_size, "dense")(x))
+
+
+class BertLayer(nn.Module):
+  config: RealmConfig
+
+  @nn.compact
+  def __call__(self, x: Array, mask_bias: Array, deterministic: bool) -> Array:
+    c = self.config
+    x = BertAttention(c, name="attention")(x, mask_bias, deterministic)
+    h = BertIntermediate(c, name="intermediate")(x)
+    return BertOutput(c, c.hidden_size, name="output")(h, x, deterministic)
+
+
+class BertEncoder(nn.Module):
+  config: RealmConfig
+
+  @nn.compact
+  def __call__(self, x: Array, mask_bias: Array, deterministic: bool) -> Array:
+    for i in range(self.config.num_hidden_layers):
+      x = BertLayer(self.config, name=f"layer_{i}")(x, mask_bias, deterministic)
+    return x
+
+
+class BertPooler(nn.Module):
+  config: RealmConfig
+
+  @nn.compact
+  def __call__(self, sequence: Array) -> Array:
+    return jnp.tanh(dense(self.config, self.config.hidden_size, "dense")(sequence[..., 0, :]))
+
+
+def attention_bias(attention_mask: Array) -> Array:
+  """[..., L] 0/1 mask -> additive bias [..., 1, 1, L] (HF convention: (1 - m) * finfo.min)."""
+  m = attention_mask.astype(jnp.float32)
+  return ((1.0 - m) * jnp.finfo(jnp.float32).min)[..., None, None, :]
+
+
+class BertModel(nn.Module):
+  """BERT: returns (sequence_output [..., L, H], pooled_output [..., H] or None).
+
+  Inputs may have any number of leading batch dimensions ([B, L], [B, K, L], ...).
+  `attention_mask` is 1 for real tokens and 0 for padding; `token_type_ids` are segment ids.
+  """
+  config: RealmConfig
+  add_pooling_layer: bool = True
+
+  def setup(self):
+    self.embeddings = BertEmbeddings(self.config)
+    self.encoder = BertEncoder(self.config)
+    if self.add_pooling_layer:
+      self.pooler = BertPooler(self.config)
+
+  def __call__(self, input_ids: Array, attention_mask: Array | None = None,
+               token_type_ids: Array | None = None, deterministic: bool = True):
+    if input_ids.shape[-1] > self.config.max_position_embeddings:
+      raise ValueError(
+          f"Input length {input_ids.shape[-1]} exceeds max_position_embeddings="
+          f"{self.config.max_position_embeddings}; truncate the inputs (join_bert's max_length).")
+    if attention_mask is None:
+      attention_mask = jnp.ones_like(input_ids)
+    if token_type_ids is None:
+      token_type_ids = jnp.zeros_like(input_ids)
+    lead, seq_len = input_ids.shape[:-1], input_ids.shape[-1]
+    flat = lambda t: t.reshape(-1, seq_len)
+    x = self.embeddings(flat(input_ids), flat(token_type_ids), deterministic)
+    x = self.encoder(x, attention_bias(flat(attention_mask)), deterministic)
+    pooled = self.pooler(x) if self.add_pooling_layer else None
+    x = x.reshape(*lead, seq_len, -1)
+    if pooled is not None:
+      pooled = pooled.reshape(*lead, -1)
+    return x, pooled
+
+  def attend(self, hidden: Array) -> Array:
+    """Logits over the vocabulary with the word-embedding matrix (tied MLM decoder)."""
+    return self.embeddings.word_embeddings.attend(hidden)
+
+
+def mean_pool(sequence: Array, attention_mask: Array) -> Array:
+  """Mean of the token vectors over non-padding positions (sentence-transformers pooling)."""
+  m = attention_mask.astype(jnp.float32)[..., None]
+  total = jnp.sum(sequence.astype(jnp.float32) * m, axis=-2)
+  return total / jnp.maximum(jnp.sum(m, axis=-2), 1e-9)

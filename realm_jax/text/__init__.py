@@ -1,0 +1,5 @@
+"""Text processing: BERT WordPiece tokenisation and REALM's input layouts."""
+
+from realm_jax.text.tokenizer import BertTokenizer, batch_join, join_bert
+
+__all__ = ["BertTokenizer", "batch_join", "join_bert"]
