@@ -172,6 +172,12 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], kind: str, config: RealmCo
     raise CheckpointError(
         f"{source} holds a {found!r} checkpoint, not a {kind!r} one; load it with kind={found!r}.")
   prefix = (_bert_prefix(state) or "") if kind == "bert" else ""
+  for key, value in state.items():
+    if key.endswith("embeddings.word_embeddings.weight") and value.shape[0] != config.vocab_size:
+      raise CheckpointError(
+          f"{source}: the checkpoint's vocabulary has {value.shape[0]} entries ({key!r} has shape "
+          f"{tuple(value.shape)}) but config.vocab_size={config.vocab_size}. Use the config.json "
+          "and vocab.txt saved with the checkpoint.")
   share = _shares_embedders(state) if kind == "retriever" else True
   shapes = traverse_util.flatten_dict(abstract_params(kind, config, share))
   flat_params, used = {}, set()

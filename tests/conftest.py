@@ -1,0 +1,57 @@
+"""Test setup: 8 fake CPU devices for every sharded path, and the HF REALM port as oracle."""
+
+import os
+
+# Must happen before jax is imported anywhere.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# transformers would otherwise import TensorFlow (slow) whenever the `tf` extra is installed.
+os.environ.setdefault("USE_TF", "0")
+os.environ.setdefault("TRANSFORMERS_NO_TF", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from realm_jax.models import RealmConfig  # noqa: E402
+
+TINY_HF = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+               intermediate_size=37, max_position_embeddings=64, retriever_proj_size=16,
+               span_hidden_size=12, max_span_width=4, num_candidates=3, reader_beam_size=2,
+               searcher_beam_size=4)
+
+
+def hf_realm_config(**overrides):
+  from transformers.models.deprecated.realm.configuration_realm import RealmConfig as HFRealmConfig
+  return HFRealmConfig(**{**TINY_HF, **overrides})
+
+
+def perturbed(model, seed=0, scale=0.2):
+  """Moves every weight away from its init (so a wrong transpose or a swapped LayerNorm shows)."""
+  import torch
+  g = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(scale * torch.randn(p.shape, generator=g))
+  return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_config():
+  return hf_realm_config()
+
+
+@pytest.fixture(scope="session")
+def jax_config(hf_config):
+  return RealmConfig.from_dict(hf_config.to_dict())
+
+
+def random_inputs(rng, batch_shape, seq_len, vocab, min_len=3):
+  """Token ids with [CLS]-like start, random lengths and padding (id 0) after the length."""
+  ids = rng.integers(1, vocab, size=(*batch_shape, seq_len))
+  lengths = rng.integers(min_len, seq_len + 1, size=batch_shape)
+  mask = (np.arange(seq_len) < lengths[..., None]).astype(np.int64)
+  ids = ids * mask
+  types = ((np.arange(seq_len) >= (lengths[..., None] // 2)) & (mask == 1)).astype(np.int64)
+  return ids, mask, types
