@@ -1,0 +1,1 @@
+"""Corpora and datasets."""

@@ -1,0 +1,1 @@
+"""Corpus embedding and maximum-inner-product search."""

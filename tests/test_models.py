@@ -1,0 +1,77 @@
+"""Model pieces checked by hand: configs, span enumeration, the marginal loss, input limits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from realm_jax.models import (BertModel, RealmConfig, RealmEmbedder, RealmRetriever,
+                              marginal_mlm_loss, span_candidates, tiny_config)
+
+
+def test_config_reads_hf_json_and_refuses_bad_values(tmp_path):
+  cfg = RealmConfig.from_dict({"hidden_size": 64, "num_attention_heads": 4, "dtype": "float16",
+                               "model_type": "realm", "num_candidates": 8})
+  assert cfg.hidden_size == 64 and cfg.dtype == "float32"
+  assert cfg.projection_layer_norm_eps == 1e-12
+  assert cfg.replace(retriever_layer_norm_eps=1e-3).projection_layer_norm_eps == 1e-3
+  with pytest.raises(ValueError, match="hidden_size=30 is not divisible by num_attention_heads=4"):
+    RealmConfig(hidden_size=30, num_attention_heads=4)
+  with pytest.raises(ValueError, match="hidden_act='swish' is not supported"):
+    RealmConfig(hidden_act="swish")
+  with pytest.raises(ValueError, match="dtype='float16' is not supported"):
+    RealmConfig(dtype="float16")
+  (tmp_path / "bad.json").write_text("{nope")
+  with pytest.raises(ValueError, match="bad.json is not valid JSON"):
+    RealmConfig.from_json_file(tmp_path / "bad.json")
+  with pytest.raises(FileNotFoundError, match="missing.json does not exist"):
+    RealmConfig.from_json_file(tmp_path / "missing.json")
+
+
+def test_span_candidates_by_hand():
+  starts, ends = span_candidates(4, 2)
+  np.testing.assert_array_equal(starts, [0, 1, 2, 3, 0, 1, 2])
+  np.testing.assert_array_equal(ends, [0, 1, 2, 3, 1, 2, 3])
+  starts, _ = span_candidates(320, 10)
+  assert len(starts) == sum(320 - w + 1 for w in range(1, 11))
+
+
+def test_marginal_loss_by_hand():
+  # B=1, K=2 candidates, M=2 masked tokens (the second is padding), V=3.
+  logits = jnp.log(jnp.array([[[[0.5, 0.25, 0.25], [1 / 3, 1 / 3, 1 / 3]]],
+                              [[[0.1, 0.8, 0.1], [1 / 3, 1 / 3, 1 / 3]]]]).transpose(1, 0, 2, 3))
+  targets, mask = jnp.array([[1, 0]]), jnp.array([[1, 0]])
+  retriever = jnp.log(jnp.array([[0.75, 0.25]]))
+  loss, aux = marginal_mlm_loss(logits, targets, mask, retriever)
+  want = -np.log(0.75 * 0.25 + 0.25 * 0.8)
+  np.testing.assert_allclose(float(loss), want, rtol=1e-6)
+  np.testing.assert_allclose(np.exp(aux["candidate_log_probs"][0, :, 0]), [0.25, 0.8], rtol=1e-6)
+  np.testing.assert_allclose(np.exp(aux["retrieval_log_probs"][0]), [0.75, 0.25], rtol=1e-6)
+
+
+def test_inputs_longer_than_positions_are_refused():
+  config = tiny_config(max_position_embeddings=16)
+  ids = jnp.ones((1, 17), jnp.int32)
+  with pytest.raises(ValueError, match="Input length 17 exceeds max_position_embeddings=16"):
+    BertModel(config).init(jax.random.key(0), ids)
+
+
+def test_separate_towers_differ_and_shared_towers_agree():
+  config = tiny_config()
+  ids = jnp.array([[2, 5, 6, 3, 0, 0]])
+  mask = (ids > 0).astype(jnp.int32)
+  q = dict(input_ids=ids, attention_mask=mask, token_type_ids=jnp.zeros_like(ids))
+  c = {k: v[:, None, :] for k, v in q.items()}
+  for shared in (True, False):
+    model = RealmRetriever(config, share_embedders=shared)
+    params = model.init(jax.random.key(1), q, c)["params"]
+    scores, q_emb, c_emb = model.apply({"params": params}, q, c)
+    assert ("query_embedder" in params) == (not shared)
+    assert np.allclose(q_emb, c_emb[:, 0]) == shared
+    np.testing.assert_allclose(scores, jnp.sum(q_emb * c_emb[:, 0], -1)[:, None], rtol=1e-6)
+
+
+def test_unknown_pooling_is_refused():
+  with pytest.raises(ValueError, match="pooling='max' is not supported"):
+    RealmEmbedder(tiny_config(), pooling="max").init(
+        jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4)), jnp.zeros((1, 4), jnp.int32))

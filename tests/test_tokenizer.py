@@ -1,0 +1,68 @@
+"""WordPiece tokenisation against HF's BertTokenizerFast, and REALM's input layouts by hand."""
+
+import numpy as np
+import pytest
+
+from realm_jax.text import BertTokenizer, batch_join, join_bert
+
+TEXTS = ["Hello, world!", "Unaffable Québec naïve café", "The 2018-12-20 Wikipedia dump.",
+         "  spaces\tand\nnewlines  ", "東京 is Tokyo", "don't stop-believing"]
+
+
+@pytest.fixture(scope="module")
+def vocab_file(tmp_path_factory):
+  words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", ",", "world", "!", "un", "##aff",
+           "##able", "the", "wikipedia", "dump", ".", "2018", "-", "12", "20", "spaces", "and",
+           "newlines", "is", "tokyo", "don", "'", "t", "stop", "believing", "que", "##bec", "nai",
+           "##ve", "cafe", "東", "京"]
+  path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+  path.write_text("\n".join(words) + "\n", encoding="utf-8")
+  return str(path)
+
+
+def test_matches_hf_bert_tokenizer(vocab_file):
+  transformers = pytest.importorskip("transformers")
+  ours = BertTokenizer(vocab_file)
+  hf = transformers.BertTokenizerFast(vocab_file, do_lower_case=True)
+  for text in TEXTS:
+    assert ours.encode(text) == hf(text, add_special_tokens=False)["input_ids"], text
+  assert ours.encode_batch(TEXTS) == [ours.encode(t) for t in TEXTS]
+  assert ours.encode("Unaffable") == [9, 10, 11]
+  assert ours.decode(ours.encode("hello world")) == "hello world"
+
+
+def test_join_bert_layout_by_hand():
+  out = join_bert([10, 11], [20, 21, 22], max_length=9, cls_id=2, sep_id=3)
+  np.testing.assert_array_equal(out["input_ids"], [2, 10, 11, 3, 20, 21, 22, 3, 0])
+  np.testing.assert_array_equal(out["token_type_ids"], [0, 0, 0, 0, 1, 1, 1, 1, 0])
+  np.testing.assert_array_equal(out["attention_mask"], [1, 1, 1, 1, 1, 1, 1, 1, 0])
+  single = join_bert([10, 11], None, max_length=5, cls_id=2, sep_id=3)
+  np.testing.assert_array_equal(single["input_ids"], [2, 10, 11, 3, 0])
+  assert single["input_ids"].dtype == np.int32
+
+
+def test_truncation_cuts_the_block_not_the_query():
+  out = join_bert([10, 11], list(range(20, 30)), max_length=8, cls_id=2, sep_id=3)
+  np.testing.assert_array_equal(out["input_ids"], [2, 10, 11, 3, 20, 21, 22, 3])
+  longest = join_bert(list(range(10, 16)), [20, 21], max_length=7, cls_id=2, sep_id=3,
+                      truncate="longest")
+  np.testing.assert_array_equal(longest["input_ids"], [2, 10, 11, 3, 20, 21, 3])
+
+
+def test_bad_input_errors(vocab_file, tmp_path):
+  tok = BertTokenizer(vocab_file)
+  with pytest.raises(ValueError, match="Empty first segment"):
+    join_bert(tok.encode("   "), None, 8, tok.cls_id, tok.sep_id)
+  with pytest.raises(ValueError, match="First segment of 7 word pieces does not fit max_length=6"):
+    join_bert(list(range(7)), [1, 2], 6, 2, 3)
+  with pytest.raises(ValueError, match="does not fit max_length=5.*shorten it"):
+    join_bert(list(range(7)), None, 5, 2, 3, truncate="none")
+  with pytest.raises(ValueError, match="1,000,001 characters"):
+    tok.encode("a" * 1_000_001)
+  with pytest.raises(ValueError, match="list of texts is empty"):
+    batch_join([], 8, tok)
+  with pytest.raises(FileNotFoundError, match="Vocab file .*missing.txt does not exist"):
+    BertTokenizer(tmp_path / "missing.txt")
+  (tmp_path / "words.txt").write_text("a\nb\nc\n")
+  with pytest.raises(ValueError, match=r"lacks the BERT special tokens \['\[PAD\]'"):
+    BertTokenizer(tmp_path / "words.txt")
