@@ -129,7 +129,7 @@ TF1_RENAMES = {"dense_intermediate": "dense", "dense_output": "dense_1"}
 @pytest.mark.parametrize("kind", sorted(TF1_LAYOUTS))
 def test_tf1_checkpoint_loads_with_the_same_values_as_hf(tmp_path, hf_config, jax_config, kind):
   pytest.importorskip("tensorflow")
-  from realm_jax.checkpoints.tf1 import load_tf1_checkpoint
+  from realm_jax.checkpoints import load_tf1_checkpoint
 
   source = _hf_model(kind, hf_config, seed=11)
   variables = {}
@@ -160,7 +160,7 @@ def test_tf1_checkpoint_loads_with_the_same_values_as_hf(tmp_path, hf_config, ja
 
 def test_tf1_orqa_layer_normalization_sets_eps(tmp_path, hf_config, jax_config):
   pytest.importorskip("tensorflow")
-  from realm_jax.checkpoints.tf1 import load_tf1_checkpoint
+  from realm_jax.checkpoints import load_tf1_checkpoint
   variables = {}
   for key, value in _numpy_state(_hf_model("embedder", hf_config)).items():
     name, transpose = _tf1_name(key, TF1_LAYOUTS["embedder"])

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from realm_jax.checkpoints import load_minilm, minilm_dir  # noqa: E402
-from realm_jax.models import RealmEmbedder  # noqa: E402
-from realm_jax.text import BertTokenizer, batch_join  # noqa: E402
+from realm_jax.checkpoints import load_minilm, minilm_dir
+from realm_jax.models import RealmEmbedder
+from realm_jax.text import BertTokenizer, batch_join
 
 SENTENCES = [
     "A man is eating food.",

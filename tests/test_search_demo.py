@@ -48,7 +48,8 @@ def test_minilm_retrieval_finds_the_right_article(articles, tmp_path):
             "Great Wall of China", "Photosynthesis", "Tokyo", "Association football"]
   subset = [a for a in articles if a["title"] in wanted]
   assert len(subset) == len(wanted)
-  emb = search_demo.embed_articles(subset, str(tmp_path), max_length=128, batch_size=4)
+  encoder = search_demo.SentenceEncoder.load()
+  emb = search_demo.embed_articles(encoder, subset, str(tmp_path), max_length=128, batch_size=4)
   assert emb.shape == (len(subset), 384)
   np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, atol=1e-5)
   questions = {"who painted the mona lisa": "Mona Lisa",
@@ -56,10 +57,10 @@ def test_minilm_retrieval_finds_the_right_article(articles, tmp_path):
                "what is the largest planet in the solar system": "Jupiter",
                "how do plants turn sunlight into energy": "Photosynthesis",
                "what is the capital of japan": "Tokyo"}
-  _, idx = search_demo.search(list(questions), emb, k=1)
+  _, idx = search_demo.search(encoder, list(questions), emb, k=1)
   assert [subset[i]["title"] for i in idx[:, 0]] == list(questions.values())
   # Cached: the second call reads the file instead of embedding again.
-  again = search_demo.embed_articles(subset, str(tmp_path), max_length=128, batch_size=4)
+  again = search_demo.embed_articles(encoder, subset, str(tmp_path), max_length=128, batch_size=4)
   np.testing.assert_array_equal(again, emb)
   with pytest.raises(ValueError, match="Empty question"):
-    search_demo.search(["  "], emb)
+    search_demo.search(encoder, ["  "], emb)

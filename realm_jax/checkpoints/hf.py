@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from realm_jax.io_utils import atomic_write, write_json
 from realm_jax.models import (BertModel, KnowledgeAugEncoder, RealmConfig, RealmEmbedder,
                               RealmReader, RealmRetriever)
 
@@ -270,19 +270,6 @@ def load_hf_checkpoint(path: str | os.PathLike, kind: str | None = None,
   return config, params, extras
 
 
-def _atomic_write(path: str, write) -> None:
-  directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path), dir=directory)
-  os.close(fd)
-  try:
-    write(tmp)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
-
-
 def save_hf_checkpoint(directory: str | os.PathLike, config: RealmConfig, params: Mapping, kind: str,
                        extras: Mapping[str, np.ndarray] | None = None) -> None:
   """Writes `model.safetensors` + `config.json` readable by HF `from_pretrained`; each file is
@@ -296,10 +283,6 @@ def save_hf_checkpoint(directory: str | os.PathLike, config: RealmConfig, params
   if config.retriever_layer_norm_eps is None:
     hf_config.pop("retriever_layer_norm_eps")
   hf_config["model_type"] = "bert" if kind == "bert" else "realm"
-  _atomic_write(os.path.join(directory, "model.safetensors"),
-                lambda p: save_file(state, p, metadata={"format": "pt"}))
-
-  def write_json(p):
-    with open(p, "w", encoding="utf-8") as f:
-      json.dump(hf_config, f, indent=2)
-  _atomic_write(os.path.join(directory, "config.json"), write_json)
+  atomic_write(os.path.join(directory, "model.safetensors"),
+               lambda p: save_file(state, p, metadata={"format": "pt"}))
+  write_json(os.path.join(directory, "config.json"), hf_config)

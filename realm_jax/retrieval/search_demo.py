@@ -7,25 +7,41 @@ questions by exact maximum inner product. This is the package's main job until p
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from realm_jax.checkpoints import load_minilm, minilm_dir
-from realm_jax.checkpoints.hf import _atomic_write
 from realm_jax.data.wiki_vital import load_articles
+from realm_jax.io_utils import atomic_write, read_json, write_json
 from realm_jax.models import RealmEmbedder
 from realm_jax.retrieval.embed import embed_in_buckets
 from realm_jax.text import BertTokenizer, batch_join
 
 EMBEDDINGS = "corpus_embeddings.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class SentenceEncoder:
+  """all-MiniLM-L6-v2 as sentence-transformers uses it: a jitted batch -> [B, 384] function."""
+  tokenizer: BertTokenizer
+  embed: Callable[[dict], jax.Array]
+
+  @classmethod
+  def load(cls) -> "SentenceEncoder":
+    config, params, vocab = load_minilm()
+    model = RealmEmbedder(config, pooling="mean", normalize=True)
+    params = jax.device_put({"realm": params})
+    fn = jax.jit(lambda p, b: model.apply({"params": p}, b["input_ids"], b["attention_mask"],
+                                          b["token_type_ids"]))
+    return cls(BertTokenizer(vocab), lambda batch: fn(params, batch))
 
 
 def _fingerprint(articles, max_length: int) -> str:
@@ -37,60 +53,47 @@ def _fingerprint(articles, max_length: int) -> str:
   return h.hexdigest()[:16]
 
 
-def embed_articles(articles, workdir: str, max_length: int = 256, batch_size: int = 64):
+def embed_articles(encoder: SentenceEncoder, articles, workdir: str, max_length: int = 256,
+                   batch_size: int = 64) -> np.ndarray:
   """[N, 384] float32 embeddings of the articles, computed once and cached in `workdir`."""
   from safetensors.numpy import load_file, save_file
 
-  config, params, vocab = load_minilm()
-  tok = BertTokenizer(vocab)
   fingerprint = _fingerprint(articles, max_length)
   path = os.path.join(workdir, EMBEDDINGS)
-  if os.path.exists(path):
-    cached = load_file(path)
-    meta = json.loads(open(path + ".json", encoding="utf-8").read()) if os.path.exists(
-        path + ".json") else {}
-    if meta.get("fingerprint") == fingerprint:
-      logging.info("Loaded %d cached embeddings from %s", len(cached["embeddings"]), path)
-      return cached["embeddings"]
+  if os.path.exists(path) and os.path.exists(path + ".json"):
+    if read_json(path + ".json").get("fingerprint") == fingerprint:
+      emb = load_file(path)["embeddings"]
+      logging.info("Loaded %d cached embeddings from %s", len(emb), path)
+      return emb
     logging.info("%s was made from other articles or settings; re-embedding.", path)
 
   t0 = time.perf_counter()
+  tok = encoder.tokenizer
   titles = tok.encode_batch([a["title"] for a in articles])
   texts = tok.encode_batch([a["text"] for a in articles])
   inputs = batch_join(zip(titles, texts), max_length, tok, truncate="longest")
   logging.info("Tokenised %d articles in %.1f s", len(articles), time.perf_counter() - t0)
-
-  model = RealmEmbedder(config, pooling="mean", normalize=True)
-  embed = jax.jit(lambda p, b: model.apply({"params": {"realm": p}}, b["input_ids"],
-                                           b["attention_mask"], b["token_type_ids"]))
-  params = jax.device_put(params)
-  emb = embed_in_buckets(lambda b: embed(params, b), inputs, batch_size, desc="embedding articles")
-
-  os.makedirs(workdir, exist_ok=True)
-  _atomic_write(path, lambda p: save_file({"embeddings": emb}, p))
-
-  def write_meta(p):
-    with open(p, "w", encoding="utf-8") as f:
-      json.dump({"fingerprint": fingerprint, "count": len(emb), "max_length": max_length,
-                 "model": "all-MiniLM-L6-v2", "pooling": "mean, L2-normalised"}, f, indent=2)
-  _atomic_write(path + ".json", write_meta)
+  emb = embed_in_buckets(encoder.embed, inputs, batch_size, desc="embedding articles")
+  # Data first, then the manifest that vouches for it: a run killed in between re-embeds.
+  atomic_write(path, lambda p: save_file({"embeddings": emb}, p))
+  write_json(path + ".json", {"fingerprint": fingerprint, "count": len(emb),
+                              "max_length": max_length, "model": "all-MiniLM-L6-v2",
+                              "pooling": "mean, L2-normalised"})
   return emb
 
 
-def search(questions: Sequence[str], doc_emb: np.ndarray, k: int = 5, max_length: int = 64):
+def search(encoder: SentenceEncoder, questions: Sequence[str], doc_emb: np.ndarray, k: int = 5,
+           max_length: int = 64):
   """Top-k (scores [Q, k], indices [Q, k]) of questions against the document embeddings."""
   if not questions:
     raise ValueError("No question given: pass at least one --question.")
   for q in questions:
     if not q.strip():
       raise ValueError("Empty question: ask something, e.g. --question='who painted the Mona Lisa'.")
-  config, params, vocab = load_minilm()
-  tok = BertTokenizer(vocab)
+  tok = encoder.tokenizer
   inputs = batch_join([(ids, None) for ids in tok.encode_batch(list(questions))], max_length, tok,
                       truncate="longest")
-  model = RealmEmbedder(config, pooling="mean", normalize=True)
-  q = model.apply({"params": {"realm": params}}, inputs["input_ids"], inputs["attention_mask"],
-                  inputs["token_type_ids"])
+  q = encoder.embed(inputs)
   scores, idx = jax.lax.top_k(q @ jnp.asarray(doc_emb).T, min(k, len(doc_emb)))
   return np.asarray(scores), np.asarray(idx)
 
@@ -101,8 +104,9 @@ def run(workdir: str, questions: Sequence[str], k: int = 5, max_length: int = 25
   articles = load_articles()
   if max_docs:
     articles = articles[:max_docs]
-  emb = embed_articles(articles, workdir, max_length, batch_size)
-  scores, idx = search(questions, emb, k)
+  encoder = SentenceEncoder.load()
+  emb = embed_articles(encoder, articles, workdir, max_length, batch_size)
+  scores, idx = search(encoder, questions, emb, k)
   results = []
   for question, row_s, row_i in zip(questions, scores, idx):
     hits = [(articles[i]["title"], float(s)) for s, i in zip(row_s, row_i)]

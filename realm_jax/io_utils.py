@@ -1,0 +1,37 @@
+"""Writing files so that an interrupted run never leaves a half-written one behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+  """Calls `write(tmp_path)` on a temporary file beside `path`, then renames it to `path`."""
+  path = os.fspath(path)
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path), dir=directory)
+  os.close(fd)
+  try:
+    write(tmp)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+  def write(tmp):
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(obj, f, indent=2)
+  atomic_write(path, write)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
