@@ -44,11 +44,12 @@ def test_embedded_corpus_has_the_vital_articles(articles):
 
 def test_minilm_retrieval_finds_the_right_article(articles, tmp_path):
   from realm_jax.retrieval import search_demo
+  from realm_jax.retrieval.towers import load_tower
   wanted = ["Mona Lisa", "Penicillin", "Jupiter", "World War II", "Albert Einstein", "Ludwig van Beethoven",
             "Great Wall of China", "Photosynthesis", "Tokyo", "Association football"]
   subset = [a for a in articles if a["title"] in wanted]
   assert len(subset) == len(wanted)
-  encoder = search_demo.SentenceEncoder.load()
+  encoder = load_tower("minilm")
   emb = search_demo.embed_articles(encoder, subset, str(tmp_path), max_length=128, batch_size=4)
   assert emb.shape == (len(subset), 384)
   np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, atol=1e-5)

@@ -1,4 +1,5 @@
-"""Embedding many texts fast: length buckets, batch sharded over every device, progress in docs/s.
+"""Embedding many texts fast: length buckets, batch sharded over every device, progress in docs/s,
+and resumable on-disk shards for whole corpora.
 
 Blocks are sorted by length and cut into batches whose padded length is the smallest bucket that
 fits, so short blocks do not pay for padding; each (batch, bucket) shape compiles once.
@@ -6,7 +7,9 @@ fits, so short blocks do not pay for padding; each (batch, bucket) shape compile
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -15,6 +18,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
+
+from realm_jax.io_utils import atomic_write, read_json, write_json
 
 Batch = dict[str, np.ndarray]
 
@@ -26,7 +31,7 @@ def bucket_lengths(max_length: int, step: int = 32) -> list[int]:
 
 def embed_in_buckets(embed_fn: Callable[[Batch], jax.Array], inputs: Batch, batch_size: int,
                      buckets: list[int] | None = None, mesh: Mesh | None = None,
-                     desc: str = "embedding") -> np.ndarray:
+                     desc: str = "embedding", progress: tqdm | None = None) -> np.ndarray:
   """Embeds N padded rows of `inputs` ([N, L] int arrays) and returns [N, D] float32 in input order.
 
   Args:
@@ -35,6 +40,7 @@ def embed_in_buckets(embed_fn: Callable[[Batch], jax.Array], inputs: Batch, batc
     batch_size: rows per step; rounded up to a multiple of the device count.
     buckets: padded lengths to choose from (default: multiples of 32 up to L).
     mesh: devices to shard the batch over (default: all local devices on one "data" axis).
+    progress: a tqdm bar to advance (default: a new one for these rows).
   """
   n, max_len = inputs["input_ids"].shape
   if n == 0:
@@ -48,7 +54,8 @@ def embed_in_buckets(embed_fn: Callable[[Batch], jax.Array], inputs: Batch, batc
   order = np.argsort(lengths, kind="stable")
   out = None
   start_time, done = time.perf_counter(), 0
-  with tqdm(total=n, desc=desc, unit="doc", smoothing=0.1) as bar:
+  bar = progress if progress is not None else tqdm(total=n, desc=desc, unit="doc", smoothing=0.1)
+  with bar if progress is None else contextlib.nullcontext():
     for lo in range(0, n, batch_size):
       rows = order[lo:lo + batch_size]
       pad_to = next(b for b in buckets if b >= lengths[rows].max())
@@ -63,5 +70,56 @@ def embed_in_buckets(embed_fn: Callable[[Batch], jax.Array], inputs: Batch, batc
       bar.update(len(rows))
       bar.set_postfix(docs_per_s=f"{done / (time.perf_counter() - start_time):.1f}")
   elapsed = time.perf_counter() - start_time
-  logging.info("%s: %d docs in %.1f s (%.1f docs/s)", desc, n, elapsed, n / elapsed)
+  if progress is None:
+    logging.info("%s: %d docs in %.1f s (%.1f docs/s)", desc, n, elapsed, n / elapsed)
   return out
+
+
+def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_dir: str,
+                 max_length: int = 288, truncate: str = "b", shard_size: int = 4096,
+                 batch_size: int = 64, mesh: Mesh | None = None,
+                 fingerprint: str = "") -> np.ndarray:
+  """Embeds every block of `corpus` into resumable shards under `out_dir`; returns [N, D].
+
+  Shard s holds rows [s * shard_size, (s + 1) * shard_size) as `shard-SSSSS-of-TTTTT.safetensors`,
+  each written under a temporary name and renamed when complete: a killed run resumes at the
+  first missing shard and ends with the same result as an uninterrupted one. `fingerprint`
+  (corpus + model + settings) is recorded in `out_dir/embedding.json`; a directory made for
+  another fingerprint is refused rather than mixed.
+  """
+  from safetensors.numpy import load_file, save_file
+
+  n = len(corpus)
+  if n == 0:
+    raise ValueError(f"Nothing to embed: the corpus at {corpus.data_dir} is empty.")
+  num_shards = -(-n // shard_size)
+  meta = {"fingerprint": fingerprint, "count": n, "shard_size": shard_size,
+          "max_length": max_length, "truncate": truncate}
+  meta_path = os.path.join(out_dir, "embedding.json")
+  if os.path.exists(meta_path):
+    old = read_json(meta_path)
+    if old != meta:
+      raise ValueError(
+          f"{out_dir} holds embeddings made with other settings ({old}); expected {meta}. "
+          "Use another directory, or delete this one to re-embed.")
+  else:
+    write_json(meta_path, meta)
+  shard_path = lambda s: os.path.join(out_dir, f"shard-{s:05d}-of-{num_shards:05d}.safetensors")
+  todo = [s for s in range(num_shards) if not os.path.exists(shard_path(s))]
+  done_rows = n - sum(min(n, (s + 1) * shard_size) - s * shard_size for s in todo)
+  if done_rows:
+    logging.info("Resuming: %d of %d shards already embedded in %s", num_shards - len(todo),
+                 num_shards, out_dir)
+  start = time.perf_counter()
+  with tqdm(total=n, initial=done_rows, desc="embedding corpus", unit="block", smoothing=0.1) as bar:
+    for s in todo:
+      rows = np.arange(s * shard_size, min(n, (s + 1) * shard_size))
+      inputs = corpus.model_inputs(rows, max_length, tokenizer, truncate)
+      emb = embed_in_buckets(embed_fn, inputs, batch_size, mesh=mesh, progress=bar)
+      atomic_write(shard_path(s), lambda p, e=emb: save_file({"embeddings": e}, p))
+  if todo:
+    new_rows = n - done_rows
+    elapsed = time.perf_counter() - start
+    logging.info("Embedded %d blocks in %.1f s (%.1f blocks/s)", new_rows, elapsed,
+                 new_rows / elapsed)
+  return np.concatenate([load_file(shard_path(s))["embeddings"] for s in range(num_shards)])

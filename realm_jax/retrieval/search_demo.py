@@ -7,41 +7,24 @@ questions by exact maximum inner product. This is the package's main job until p
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realm_jax.checkpoints import load_minilm, minilm_dir
+from realm_jax.checkpoints import minilm_dir
 from realm_jax.data.wiki_vital import load_articles
 from realm_jax.io_utils import atomic_write, read_json, write_json
-from realm_jax.models import RealmEmbedder
 from realm_jax.retrieval.embed import embed_in_buckets
+from realm_jax.retrieval.towers import Tower, load_tower
 from realm_jax.text import BertTokenizer, batch_join
 
 EMBEDDINGS = "corpus_embeddings.safetensors"
-
-
-@dataclasses.dataclass(frozen=True)
-class SentenceEncoder:
-  """all-MiniLM-L6-v2 as sentence-transformers uses it: a jitted batch -> [B, 384] function."""
-  tokenizer: BertTokenizer
-  embed: Callable[[dict], jax.Array]
-
-  @classmethod
-  def load(cls) -> "SentenceEncoder":
-    config, params, vocab = load_minilm()
-    model = RealmEmbedder(config, pooling="mean", normalize=True)
-    params = jax.device_put({"realm": params})
-    fn = jax.jit(lambda p, b: model.apply({"params": p}, b["input_ids"], b["attention_mask"],
-                                          b["token_type_ids"]))
-    return cls(BertTokenizer(vocab), lambda batch: fn(params, batch))
 
 
 def _fingerprint(articles, max_length: int) -> str:
@@ -53,7 +36,7 @@ def _fingerprint(articles, max_length: int) -> str:
   return h.hexdigest()[:16]
 
 
-def embed_articles(encoder: SentenceEncoder, articles, workdir: str, max_length: int = 256,
+def embed_articles(encoder: Tower, articles, workdir: str, max_length: int = 256,
                    batch_size: int = 64) -> np.ndarray:
   """[N, 384] float32 embeddings of the articles, computed once and cached in `workdir`."""
   from safetensors.numpy import load_file, save_file
@@ -82,7 +65,7 @@ def embed_articles(encoder: SentenceEncoder, articles, workdir: str, max_length:
   return emb
 
 
-def search(encoder: SentenceEncoder, questions: Sequence[str], doc_emb: np.ndarray, k: int = 5,
+def search(encoder: Tower, questions: Sequence[str], doc_emb: np.ndarray, k: int = 5,
            max_length: int = 64):
   """Top-k (scores [Q, k], indices [Q, k]) of questions against the document embeddings."""
   if not questions:
@@ -104,7 +87,7 @@ def run(workdir: str, questions: Sequence[str], k: int = 5, max_length: int = 25
   articles = load_articles()
   if max_docs:
     articles = articles[:max_docs]
-  encoder = SentenceEncoder.load()
+  encoder = load_tower("minilm")
   emb = embed_articles(encoder, articles, workdir, max_length, batch_size)
   scores, idx = search(encoder, questions, emb, k)
   results = []

@@ -1,0 +1,177 @@
+"""A corpus of REALM blocks as a TFDS dataset (array_record files; TensorFlow not needed).
+
+    corpus = Corpus.build(data_dir, CorpusConfig(source="wiki_vital", vocab_file=...))
+    corpus[17]                 # a block by row: block_id, title, body, token ids, sentence starts
+    corpus.get(block_id)       # a block by its stable id
+    corpus.model_inputs(rows, 288, tokenizer)  # [CLS] title [SEP] body [SEP] arrays for the embedder
+
+Rows keep the generation order (documents in source order, blocks in document order), so a
+row number is stable for a given corpus; the block ids are stored beside the dataset for lookups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow_datasets as tfds
+import tensorflow_datasets.core  # noqa: F401  (tfds.core is not imported by the package itself)
+
+from realm_jax.data.blocks import BLOCKINGS, pack_blocks
+from realm_jax.data.sources import SOURCES, documents, jsonl_files
+from realm_jax.io_utils import atomic_write
+from realm_jax.text import BertTokenizer, batch_join
+
+BLOCK_IDS = "block_ids.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusConfig:
+  """What a corpus is made of. Its `fingerprint` names the built dataset."""
+  source: str = "wiki_vital"
+  paths: tuple[str, ...] = ()
+  vocab_file: str = ""
+  block_length: int = 288
+  blocking: str = "sentences"
+  max_docs: int | None = None
+  tfds_name: str = "wikipedia/20230601.en"
+
+  def __post_init__(self):
+    if self.source not in SOURCES:
+      raise ValueError(f"corpus source={self.source!r}: use one of {SOURCES}.")
+    if self.blocking not in BLOCKINGS:
+      raise ValueError(f"corpus blocking={self.blocking!r}: use one of {BLOCKINGS}.")
+    if not self.vocab_file:
+      raise ValueError("The corpus needs vocab_file: the vocab.txt of the model that embeds it.")
+
+  @property
+  def fingerprint(self) -> str:
+    h = hashlib.sha256()
+    h.update(repr((self.source, self.block_length, self.blocking, self.max_docs,
+                   self.tfds_name)).encode())
+    with open(self.vocab_file, "rb") as f:
+      h.update(f.read())
+    if self.source == "jsonl":  # the files' names, sizes and times: a changed file is a new corpus
+      for p in jsonl_files(self.paths):
+        st = os.stat(p)
+        h.update(f"{os.path.abspath(p)}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
+
+
+class RealmBlocks(tfds.core.GeneratorBasedBuilder):
+  """TFDS builder of REALM blocks; one builder config per corpus fingerprint."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Sentence-packed REALM blocks with stable ids."}
+
+  def __init__(self, *, corpus_config: CorpusConfig, **kwargs):
+    self._corpus_config = corpus_config
+    self._tokenizer = None
+    config = tfds.core.BuilderConfig(name=f"{corpus_config.source}_{corpus_config.fingerprint}",
+                                     description=repr(corpus_config))
+    super().__init__(config=config, file_format="array_record", **kwargs)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    ids = lambda: tfds.features.Tensor(shape=(None,), dtype=np.int32)
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description="REALM blocks: [CLS] title [SEP] body [SEP] within a word-piece budget.",
+        features=tfds.features.FeaturesDict({
+            "block_id": np.int64, "title": tfds.features.Text(), "body": tfds.features.Text(),
+            "title_token_ids": ids(), "token_ids": ids(), "sentence_starts": ids()}),
+        disable_shuffling=True)  # rows in generation order
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {"train": self._generate_examples()}
+
+  def _generate_examples(self):
+    c = self._corpus_config
+    tok = BertTokenizer(c.vocab_file)
+    seen, row, duplicates = set(), 0, 0
+    for doc in documents(c.source, c.paths, c.tfds_name, c.max_docs):
+      for block in pack_blocks(doc["title"], doc["text"], tok, c.block_length, c.blocking):
+        if block["block_id"] in seen:  # the same title and body twice: keep the first
+          duplicates += 1
+          continue
+        seen.add(block["block_id"])
+        yield row, block
+        row += 1
+    if duplicates:
+      logging.info("Skipped %d duplicate blocks.", duplicates)
+    if row == 0:
+      raise ValueError(f"The corpus {c.source} {list(c.paths) or ''} holds no text: nothing to index.")
+
+
+class Corpus:
+  """Random access to the blocks of a built corpus, by row or by block id."""
+
+  def __init__(self, source, block_ids: np.ndarray, config: CorpusConfig, data_dir: str):
+    self._source = source
+    self.block_ids = block_ids                      # [N] int64, by row
+    self._order = np.argsort(block_ids, kind="stable")
+    self._sorted = block_ids[self._order]
+    self.config = config
+    self.data_dir = data_dir
+
+  @classmethod
+  def build(cls, data_dir: str, config: CorpusConfig) -> "Corpus":
+    """Builds the corpus in `data_dir` unless it is there already, then opens it."""
+    builder = RealmBlocks(corpus_config=config, data_dir=data_dir)
+    builder.download_and_prepare()
+    source = builder.as_data_source(split="train")
+    path = os.path.join(builder.data_dir, BLOCK_IDS)
+    from safetensors.numpy import load_file, save_file
+    if os.path.exists(path):
+      ids = load_file(path)["block_ids"]
+    else:
+      ids = np.fromiter((source[i]["block_id"] for i in range(len(source))), np.int64,
+                        count=len(source))
+      atomic_write(path, lambda p: save_file({"block_ids": ids}, p))
+    logging.info("Corpus %s: %d blocks in %s", builder.builder_config.name, len(ids),
+                 builder.data_dir)
+    return cls(source, ids, config, builder.data_dir)
+
+  @property
+  def fingerprint(self) -> str:
+    return self.config.fingerprint
+
+  def __len__(self) -> int:
+    return len(self.block_ids)
+
+  def __getitem__(self, row: int) -> dict:
+    ex = self._source[int(row)]
+    return {**ex, "title": _text(ex["title"]), "body": _text(ex["body"])}
+
+  def rows_of(self, block_ids) -> np.ndarray:
+    """Rows of the given block ids (-1 where unknown), any shape."""
+    ids = np.asarray(block_ids, np.int64)
+    pos = np.clip(np.searchsorted(self._sorted, ids), 0, len(self._sorted) - 1)
+    return np.where(self._sorted[pos] == ids, self._order[pos], -1)
+
+  def get(self, block_id: int) -> dict:
+    row = int(self.rows_of(block_id))
+    if row < 0:
+      raise KeyError(f"Block id {block_id} is not in the corpus at {self.data_dir}.")
+    return self[row]
+
+  def blocks(self, rows: Sequence[int]) -> list[dict]:
+    return [self[r] for r in rows]
+
+  def model_inputs(self, rows: Sequence[int], max_length: int, tokenizer: BertTokenizer,
+                   truncate: str = "b") -> dict[str, np.ndarray]:
+    """`[CLS] title [SEP] body [SEP]` (or `[CLS] body [SEP]` without a title) as [R, L] arrays."""
+    pairs = []
+    for r in rows:
+      ex = self._source[int(r)]
+      title, body = list(ex["title_token_ids"]), list(ex["token_ids"])
+      pairs.append((title, body) if title else (body, None))
+    return batch_join(pairs, max_length, tokenizer, truncate)
+
+
+def _text(v) -> str:
+  return v.decode("utf-8") if isinstance(v, bytes) else str(v)

@@ -1,0 +1,1 @@
+"""Evaluation: answer normalisation and matching, retrieval recall."""

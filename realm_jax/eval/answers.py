@@ -1,0 +1,50 @@
+"""Answer normalisation and matching for open-domain QA (the SQuAD / ORQA convention).
+
+normalize: lower-case, Unicode NFD, drop punctuation, drop the articles a/an/the, collapse spaces.
+A text "has" an answer when the normalised answer occurs in the normalised text as whole words.
+CuratedTREC answers are regular expressions: they are matched, not compared.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+import unicodedata
+from collections.abc import Iterable
+
+_PUNCT = set(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(text: str) -> str:
+  text = unicodedata.normalize("NFD", text).lower()
+  text = "".join(ch for ch in text if ch not in _PUNCT and unicodedata.category(ch) != "Mn"
+                 or ch == " ")
+  text = _ARTICLES.sub(" ", text)
+  return " ".join(text.split())
+
+
+def has_answer(text: str, answers: Iterable[str], normalized_text: str | None = None) -> bool:
+  """Whether any answer occurs in `text` as a sequence of whole normalised words."""
+  hay = " " + (normalized_text if normalized_text is not None else normalize_answer(text)) + " "
+  for a in answers:
+    needle = normalize_answer(a)
+    if needle and (" " + needle + " ") in hay:
+      return True
+  return False
+
+
+def exact_match(prediction: str, answers: Iterable[str]) -> bool:
+  p = normalize_answer(prediction)
+  return any(p == normalize_answer(a) for a in answers)
+
+
+def regex_match(text: str, patterns: Iterable[str]) -> bool:
+  """CuratedTREC: whether any answer pattern matches somewhere in `text` (case-insensitive)."""
+  for pattern in patterns:
+    try:
+      if re.search(pattern, text, flags=re.IGNORECASE | re.UNICODE):
+        return True
+    except re.error as e:
+      raise ValueError(f"Answer pattern {pattern!r} is not a valid regular expression ({e}).") from None
+  return False

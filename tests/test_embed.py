@@ -1,0 +1,105 @@
+"""Resumable corpus embedding: a run killed with SIGKILL resumes to the same result."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import jax, numpy as np
+    from realm_jax.data.corpus import Corpus, CorpusConfig
+    from realm_jax.models import RealmEmbedder, tiny_config
+    from realm_jax.retrieval.embed import embed_corpus
+    from realm_jax.text import BertTokenizer
+
+    docs, vocab, out, slow = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    corpus = Corpus.build(os.path.join(out, "data"), CorpusConfig(
+        source="jsonl", paths=(docs,), vocab_file=vocab))
+    tok = BertTokenizer(vocab)
+    model = RealmEmbedder(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=64))
+    x = np.ones((1, 8), np.int32)
+    params = model.init(jax.random.key(0), x, x, x)["params"]
+    fn = jax.jit(lambda b: model.apply({"params": params}, b["input_ids"], b["attention_mask"],
+                                       b["token_type_ids"]))
+    def embed(b):
+      time.sleep(slow)  # lets the test kill the run between shards
+      return fn(b)
+    emb = embed_corpus(corpus, embed, tok, os.path.join(out, "emb"), max_length=48,
+                       shard_size=4, batch_size=2, fingerprint="test")
+    from safetensors.numpy import save_file
+    save_file({"e": emb}, os.path.join(out, "result.safetensors"))
+""")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("embed")
+  words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "."] + [f"w{i}" for i in range(50)]
+  (root / "vocab.txt").write_text("\n".join(words) + "\n")
+  rng = np.random.default_rng(0)
+  docs = [{"title": f"w{i % 50}", "text": " ".join(f"w{j}" for j in rng.integers(0, 50, 5 + i)) + "."}
+          for i in range(30)]
+  (root / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+  (root / "run.py").write_text(SCRIPT)
+  return root
+
+
+def _run(setup, out, slow, wait=True):
+  cmd = [sys.executable, str(setup / "run.py"), str(setup / "docs.jsonl"), str(setup / "vocab.txt"),
+         str(out), str(slow)]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  if wait:
+    subprocess.run(cmd, check=True, env=env, capture_output=True)
+    return None
+  return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _result(out):
+  from safetensors.numpy import load_file
+  return load_file(str(out / "result.safetensors"))["e"]
+
+
+def test_sigkilled_embedding_resumes_to_the_same_result(setup, tmp_path):
+  _run(setup, tmp_path / "full", slow=0.0)
+  full = _result(tmp_path / "full")
+  assert full.shape == (30, 16)
+
+  out = tmp_path / "killed"
+  proc = _run(setup, out, slow=0.3, wait=False)
+  emb_dir = out / "emb"
+  deadline = time.time() + 120
+  while time.time() < deadline:
+    shards = [f for f in os.listdir(emb_dir) if f.startswith("shard-")] if emb_dir.exists() else []
+    if len(shards) >= 2:
+      break
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  done = sorted(f for f in os.listdir(emb_dir) if f.startswith("shard-"))
+  assert 2 <= len(done) < 8, done  # killed midway: 8 shards of 4 rows in all
+  assert not (out / "result.safetensors").exists()
+
+  _run(setup, out, slow=0.0)  # resumes
+  np.testing.assert_array_equal(_result(out), full)
+  assert len([f for f in os.listdir(emb_dir) if f.startswith("shard-")]) == 8
+  assert not [f for f in os.listdir(emb_dir) if f.startswith(".tmp")]
+
+
+def test_embedding_dir_of_other_settings_is_refused(setup, tmp_path):
+  from realm_jax.data.corpus import Corpus, CorpusConfig
+  from realm_jax.retrieval.embed import embed_corpus
+  corpus = Corpus.build(str(tmp_path / "data"), CorpusConfig(
+      source="jsonl", paths=(str(setup / "docs.jsonl"),), vocab_file=str(setup / "vocab.txt")))
+  fake = lambda b: np.zeros((len(b["input_ids"]), 4), np.float32)
+  from realm_jax.text import BertTokenizer
+  tok = BertTokenizer(str(setup / "vocab.txt"))
+  embed_corpus(corpus, fake, tok, str(tmp_path / "emb"), 48, shard_size=8, fingerprint="a")
+  with pytest.raises(ValueError, match="holds embeddings made with other settings"):
+    embed_corpus(corpus, fake, tok, str(tmp_path / "emb"), 48, shard_size=8, fingerprint="b")

@@ -1,0 +1,67 @@
+"""Answer normalisation, matching and recall@k, checked on hand-made cases."""
+
+import numpy as np
+import pytest
+
+from realm_jax.data.qa import load_qa_jsonl
+from realm_jax.eval.answers import exact_match, has_answer, normalize_answer, regex_match
+from realm_jax.eval.retrieval import recall_at_k
+
+
+@pytest.mark.parametrize("text,want", [
+    ("The Beatles", "beatles"),
+    ("  An  apple, a day!  ", "apple day"),
+    ("Théâtre du Châtelet", "theatre du chatelet"),
+    ("U.S.A.", "usa"),
+    ("Anthem", "anthem"),           # "an" inside a word stays
+    ("rock 'n' roll", "rock n roll"),
+    ("1,000", "1000"),
+    ("ÅNGSTRÖM", "angstrom"),
+])
+def test_normalize_answer(text, want):
+  assert normalize_answer(text) == want
+
+
+def test_has_answer_matches_whole_words_only():
+  text = "The 1988 World Series was won by the Los Angeles Dodgers."
+  assert has_answer(text, ["1988"]) and has_answer(text, ["the Dodgers"])
+  assert has_answer(text, ["los angeles dodgers!"])
+  assert not has_answer(text, ["198"]) and not has_answer(text, ["Dodger"])
+  assert not has_answer(text, ["", "a"])  # empty after normalisation never matches
+  assert has_answer("Salzburg, Austria", ["Vienna", "Austria"])
+
+
+def test_exact_match_and_regex_match():
+  assert exact_match("the Eiffel Tower.", ["Eiffel tower"])
+  assert not exact_match("Eiffel", ["Eiffel tower"])
+  assert regex_match("It was built in 1889 by Eiffel", [r"18[89]\d"])
+  assert regex_match("the EIFFEL tower", [r"eiffel\s+tower"])
+  assert not regex_match("built in 1901", [r"18[89]\d"])
+  with pytest.raises(ValueError, match=r"Answer pattern '\(unclosed' is not a valid regular"):
+    regex_match("x", ["(unclosed"])
+
+
+def test_recall_at_k_by_hand():
+  hits = np.array([[False, True, False], [False, False, False], [True, False, True],
+                   [False, False, True]])
+  assert recall_at_k(hits, (1, 2, 3)) == {1: 25.0, 2: 50.0, 3: 75.0}
+
+
+def test_qa_jsonl_loader(tmp_path):
+  p = tmp_path / "q.jsonl"
+  p.write_text('{"question": "who?", "answer": ["me"]}\n{"question": "what", "answer": []}\n')
+  with pytest.raises(ValueError, match=r"q.jsonl:2: expected"):
+    load_qa_jsonl(str(p))
+  assert load_qa_jsonl(str(p), limit=1) == [{"question": "who?", "answer": ["me"]}]
+  with pytest.raises(FileNotFoundError, match="Question file .*nope.jsonl does not exist"):
+    load_qa_jsonl(str(tmp_path / "nope.jsonl"))
+
+
+def test_shared_nq_open_dev_loads():
+  import os
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "nq_open",
+                      "NQ-open.dev.jsonl")
+  if not os.path.exists(path):
+    pytest.skip("../shared/data/nq_open is not here")
+  qs = load_qa_jsonl(path)
+  assert len(qs) == 3610 and qs[0]["answer"] == ["14 December 1972 UTC", "December 1972"]
