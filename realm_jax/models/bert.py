@@ -67,18 +67,21 @@ class BertSelfAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, mask_bias: Array, deterministic: bool) -> Array:
+    """x [B, L, H], mask_bias [B, 1, 1, L] -> [B, L, H]."""
     c = self.config
     heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
-    split = lambda t: t.reshape(*t.shape[:-1], heads, head_dim)  # [B, L, N, Dh]
+    # Head-major [B, N, L, Dh] before the attention matmuls: on XLA:CPU this halves their cost
+    # compared with contracting the [B, L, N, Dh] layout directly.
+    split = lambda t: t.reshape(*t.shape[:-1], heads, head_dim).transpose(0, 2, 1, 3)
     q = split(dense(c, c.hidden_size, "query")(x))
     k = split(dense(c, c.hidden_size, "key")(x))
     v = split(dense(c, c.hidden_size, "value")(x))
     q = q / jnp.sqrt(head_dim).astype(q.dtype)
-    scores = jnp.einsum("...qnd,...knd->...nqk", q, k).astype(jnp.float32)  # [B, N, Lq, Lk]
+    scores = jnp.einsum("bnqd,bnkd->bnqk", q, k).astype(jnp.float32)  # [B, N, Lq, Lk]
     probs = jax.nn.softmax(scores + mask_bias, axis=-1)
     probs = nn.Dropout(c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
-    ctx = jnp.einsum("...nqk,...knd->...qnd", probs.astype(v.dtype), v)
-    return ctx.reshape(*ctx.shape[:-2], c.hidden_size)
+    ctx = jnp.einsum("bnqk,bnkd->bnqd", probs.astype(v.dtype), v)   # [B, N, Lq, Dh]
+    return ctx.transpose(0, 2, 1, 3).reshape(*x.shape[:-1], c.hidden_size)
 
 
 class BertOutput(nn.Module):
