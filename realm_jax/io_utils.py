@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -35,3 +36,29 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 def read_json(path: str | os.PathLike) -> Any:
   with open(path, encoding="utf-8") as f:
     return json.load(f)
+
+
+def atomic_write_dir(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+  """Calls `write(tmp_dir)` on a temporary directory beside `path`, then renames it to `path`.
+
+  Readers see either no directory or a complete one. An existing `path` is replaced: it is moved
+  aside first (so for a moment `path` does not exist), then deleted. A crash mid-write leaves only a
+  `.tmp-<name>-*` sibling, which readers should ignore and a later run may delete.
+  """
+  path = os.path.abspath(os.fspath(path))
+  parent, name = os.path.split(path)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=parent)
+  try:
+    write(tmp)
+    if os.path.exists(path):
+      # os.replace cannot put a directory over a non-empty one.
+      old = tempfile.mkdtemp(prefix=f".old-{name}-", dir=parent)
+      os.replace(path, os.path.join(old, name))
+      os.replace(tmp, path)
+      shutil.rmtree(old)
+    else:
+      os.replace(tmp, path)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise

@@ -1,0 +1,112 @@
+"""Top-k search speed and recall: numpy brute force vs realm_jax's DocIndex searchers, in one run.
+
+  python benchmarks/search.py                           # 1M x 128 clustered random vectors
+  python benchmarks/search.py --n=100000 --queries=200  # quick
+  python benchmarks/search.py --embeddings=work/demo/corpus_embeddings.safetensors
+
+Each method indexes the same [N, D] float32 vectors and answers the same queries for the top
+`--k`; recall@k is measured against numpy brute force (float32 matmul + argpartition). Every
+method is warmed up on the full query set (compilation, ScaNN's first touch) before it is timed.
+Index build time (host -> device copy, or ScaNN's training) is reported separately.
+
+Without `--embeddings` the vectors are clustered Gaussians; with it, a safetensors file with key
+"embeddings" ([N, D] float32): `--queries` random rows are held out of the index and perturbed
+to serve as queries.
+"""
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+
+def make_data(args, rng):
+  """(index vectors [N, D], queries [Q, D]) float32."""
+  if args.embeddings:
+    from safetensors.numpy import load_file
+    emb = load_file(args.embeddings)["embeddings"].astype(np.float32)
+    if len(emb) <= args.queries:
+      raise ValueError(f"{args.embeddings} has {len(emb)} rows: too few to hold out "
+                       f"--queries={args.queries} of them as queries.")
+  else:
+    centers = rng.standard_normal((args.clusters, args.dim), dtype=np.float32)
+    emb = centers[rng.integers(0, args.clusters, args.n + args.queries)]
+    emb += 0.5 * rng.standard_normal(emb.shape, dtype=np.float32)
+  held_out = np.zeros(len(emb), bool)
+  held_out[rng.choice(len(emb), args.queries, replace=False)] = True
+  queries = emb[held_out]
+  queries += 0.1 * emb.std(0) * rng.standard_normal(queries.shape, dtype=np.float32)
+  return np.ascontiguousarray(emb[~held_out]), queries
+
+
+def timed(search, queries, repeats):
+  """Warms up once on all queries, then returns (best seconds of `repeats` runs, found rows)."""
+  search(queries)
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    found = search(queries)
+    best = min(best, time.perf_counter() - start)
+  return best, found
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--n", type=int, default=1_000_000, help="index rows (without --embeddings)")
+  p.add_argument("--dim", type=int, default=128, help="dimension (without --embeddings)")
+  p.add_argument("--clusters", type=int, default=1000,
+                 help="Gaussian clusters (without --embeddings)")
+  p.add_argument("--queries", type=int, default=1000)
+  p.add_argument("--k", type=int, default=10)
+  p.add_argument("--embeddings", default=None, help="safetensors file with key 'embeddings'")
+  p.add_argument("--repeats", type=int, default=3, help="timed runs per method (best is kept)")
+  p.add_argument("--query_batch_size", type=int, default=256, help="queries per device call")
+  p.add_argument("--skip", default="", help="comma-separated methods to leave out, e.g. scann")
+  args = p.parse_args()
+
+  import jax
+
+  from realm_jax.retrieval.index import DocIndex, brute_force_top_k
+
+  rng = np.random.default_rng(0)
+  emb, queries = make_data(args, rng)
+  n, dim = emb.shape
+  ids = np.arange(n, dtype=np.int64)  # so that results compare directly with row numbers
+  print(f"{n} x {dim} index, {len(queries)} queries, k={args.k}; jax {jax.__version__} on "
+        f"{jax.device_count()} x {jax.devices()[0].device_kind}, {os.cpu_count()} CPU cores")
+
+  seconds, truth = timed(lambda q: brute_force_top_k(q, emb, args.k)[1], queries, args.repeats)
+  rows = [("numpy brute force (float32)", 0.0, seconds, 1.0)]
+  methods = {
+      "exact float32": dict(searcher="exact"),
+      "exact bfloat16": dict(searcher="exact", dtype="bfloat16"),
+      "approx float32 (recall_target 0.95)": dict(searcher="approx"),
+      "scann + exact re-scoring": dict(searcher="scann"),
+  }
+  skip = set(filter(None, args.skip.split(",")))
+  for name, options in methods.items():
+    if options["searcher"] in skip:
+      continue
+    if options["searcher"] == "scann":
+      import scann  # noqa: F401  (loads TensorFlow: not part of the build time)
+    start = time.perf_counter()
+    index = DocIndex(emb, ids, query_batch_size=args.query_batch_size, **options)
+    build = time.perf_counter() - start
+    seconds, found = timed(lambda q: index.search(q, args.k)[1], queries, args.repeats)
+    recall = np.mean([len(set(f) & set(t)) / args.k for f, t in zip(found, truth)])
+    if options["searcher"] == "scann":
+      settings = index.scann_settings
+      tree = (f"{settings['num_leaves']} leaves, {settings['num_leaves_to_search']} searched"
+              if settings["num_leaves"] > 1 else "no tree")
+      name += f" ({tree}, {settings['reorder_num_neighbors']} re-ordered)"
+    rows.append((f"realm_jax {name}", build, seconds, recall))
+    del index
+
+  print(f"\n| method | build s | queries/s | recall@{args.k} |\n| --- | --- | --- | --- |")
+  for name, build, seconds, recall in rows:
+    print(f"| {name} | {build:.1f} | {len(queries) / seconds:,.0f} | {recall:.4f} |")
+
+
+if __name__ == "__main__":
+  main()

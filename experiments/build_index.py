@@ -1,0 +1,25 @@
+"""Corpus + retriever weights -> document index in a work directory (and recall@k if asked).
+
+  python experiments/build_index.py --flagfile=experiments/flags/build_index_wiki_vital.flags
+  python experiments/build_index.py --config=realm_jax/configs/build_index.py:wiki_vital_blocks \
+      --config.corpus.source=jsonl --config.corpus.paths='("my_docs/",)' --workdir=work/mine
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from realm_jax.retrieval import build
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (realm_jax/configs/build_index.py:<variant>).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: corpus, embeddings and index go here.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  build.build_and_evaluate(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,74 @@
+"""Builds a document index from a config: corpus blocks -> tower embeddings -> published index."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from realm_jax.data.corpus import Corpus, CorpusConfig
+from realm_jax.data.qa import load_qa_jsonl
+from realm_jax.eval.retrieval import evaluate_retrieval
+from realm_jax.retrieval.embed import embed_corpus
+from realm_jax.retrieval.index import DocIndex, latest_index_dir, publish_index
+from realm_jax.retrieval.towers import load_tower
+
+_AUTO = {"auto": None, "yes": True, "no": False}
+
+
+def _tower(config, which="document"):
+  if config.normalize not in _AUTO:
+    raise ValueError(f"config.normalize={config.normalize!r}: use auto, yes or no.")
+  return load_tower(config.weights, None if config.pooling == "auto" else config.pooling,
+                    _AUTO[config.normalize], config.dtype, which)
+
+
+def open_corpus(config, workdir: str, vocab_file: str) -> Corpus:
+  c = config.corpus
+  return Corpus.build(os.path.join(workdir, "corpus"), CorpusConfig(
+      source=c.source, paths=tuple(c.paths), vocab_file=vocab_file, block_length=c.block_length,
+      blocking=c.blocking, max_docs=c.max_docs or None, tfds_name=c.tfds_name))
+
+
+def build_index(config, workdir: str):
+  """Corpus + weights -> `workdir/index/index-00000000` (published atomically). Returns
+  (corpus, index, document tower). Every stage resumes: the corpus and finished embedding shards
+  are reused."""
+  tower = _tower(config, "document")
+  corpus = open_corpus(config, workdir, tower.tokenizer.vocab_file)
+  fingerprint = f"{corpus.fingerprint}-{tower.fingerprint}-{config.max_length}-{config.truncate}"
+  emb = embed_corpus(corpus, tower.embed, tower.tokenizer,
+                     os.path.join(workdir, "embeddings", fingerprint), config.max_length,
+                     config.truncate, config.shard_size, config.batch_size,
+                     fingerprint=fingerprint)
+  index = DocIndex(emb, corpus.block_ids, searcher=config.index.searcher, dtype=config.index.dtype)
+  path = publish_index(os.path.join(workdir, "index"), index, step=0,
+                       model_fingerprint=tower.fingerprint, corpus_fingerprint=corpus.fingerprint)
+  logging.info("Index of %d blocks x %d published at %s", len(corpus), emb.shape[1], path)
+  return corpus, index, tower
+
+
+def load_built_index(config, workdir: str):
+  """(corpus, index, query tower) of an index that `build_index` published in `workdir`."""
+  query_tower = _tower(config, "query")
+  corpus = open_corpus(config, workdir, query_tower.tokenizer.vocab_file)
+  path = latest_index_dir(os.path.join(workdir, "index"))
+  if path is None:
+    raise FileNotFoundError(
+        f"No index in {workdir}/index: build one with experiments/build_index.py --workdir={workdir}.")
+  index = DocIndex.load(path, expected_dim=query_tower.dim,
+                        expected_corpus_fingerprint=corpus.fingerprint,
+                        searcher=config.index.searcher, dtype=config.index.dtype)
+  return corpus, index, query_tower
+
+
+def build_and_evaluate(config, workdir: str) -> dict | None:
+  """`build_index`, then recall@k on `config.eval.questions` when given."""
+  corpus, index, _ = build_index(config, workdir)
+  if not config.eval.questions:
+    return None
+  query_tower = _tower(config, "query")
+  questions = load_qa_jsonl(config.eval.questions, config.eval.limit or None)
+  result = evaluate_retrieval(query_tower, index, corpus, questions, tuple(config.eval.ks))
+  line = " ".join(f"R@{k}={v:.1f}" for k, v in result["recall"].items())
+  print(f"{config.eval.questions}: {len(questions)} questions, {line}")
+  return result

@@ -1,0 +1,458 @@
+"""Maximum-inner-product search over block embeddings, and its versioned on-disk form.
+
+`DocIndex` holds the [N, D] embeddings of the corpus blocks with their int64 block ids and answers
+top-k queries in one of three ways:
+
+* "exact": embeddings sharded along N over the "data" axis of a mesh; each device takes the top-k of
+  its shard (`jax.lax.top_k` under `jax.shard_map`), then the per-shard candidates are merged with
+  another top-k. One jitted function, compiled once per (query batch, k, exclusions) shape.
+* "approx": the same with `jax.lax.approx_max_k` per shard (exact on CPU, fast on TPU).
+* "scann": ScaNN on the host (tree + asymmetric hashing, as in the original REALM runs), then exact
+  float32 re-scoring of its candidates against the stored embeddings.
+
+Every searcher can exclude given block ids per query (REALM drops the block a masked sentence came
+from), and never returns padding rows. An index is saved as `index.safetensors` + `manifest.json`
+written into a temporary directory and renamed into place; `publish_index` / `latest_index_dir`
+keep a `LATEST` pointer next to numbered index directories for an asynchronously refreshed index.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from realm_jax.io_utils import atomic_write_dir, read_json, write_json
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ARRAYS = "index.safetensors"
+LATEST = "LATEST"
+SEARCHERS = ("exact", "approx", "scann")
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
+_INDEX_DIR = re.compile(r"index-(\d+)")
+
+
+def _sharded_top_k(emb, queries, exclude_rows, k, *, count, mesh, recall_target, precision):
+  """Top-k rows of `queries @ emb.T` over "data"-sharded rows, leaving out padding and exclusions.
+
+  Args:
+    emb: [N_pad, D] embeddings, sharded along N over mesh axis "data"; rows >= `count` are padding.
+    queries: [Q, D] float32, replicated.
+    exclude_rows: [Q, E] int32 global row indices never to return (-1: nothing), replicated.
+    k: results per query (static); at most the number of rows each query may return.
+    count: number of real rows (static).
+    recall_target: None for exact `top_k` per shard, else `approx_max_k`'s recall target.
+
+  Returns:
+    scores [Q, k] float32 in descending order and their global rows [Q, k] int32.
+  """
+  shard_rows = emb.shape[0] // mesh.shape["data"]
+  local_k = min(k, shard_rows)
+
+  def local_top_k(emb, queries, exclude_rows):
+    scores = jnp.einsum("qd,nd->qn", queries, emb, precision=precision,
+                        preferred_element_type=jnp.float32)  # [Q, S]
+    start = jax.lax.axis_index("data") * shard_rows
+    scores = jnp.where(start + jnp.arange(shard_rows) < count, scores, -jnp.inf)
+    local = exclude_rows - start  # [Q, E]
+    # Rows of other shards (and -1) point one past the end, where mode="drop" ignores them.
+    local = jnp.where((exclude_rows >= 0) & (local >= 0) & (local < shard_rows), local, shard_rows)
+    scores = scores.at[jnp.arange(scores.shape[0])[:, None], local].set(-jnp.inf, mode="drop")
+    if recall_target is None:
+      top_scores, top_rows = jax.lax.top_k(scores, local_k)
+    else:
+      top_scores, top_rows = jax.lax.approx_max_k(scores, local_k, recall_target=recall_target)
+    return top_scores, top_rows + start  # [Q, local_k] each
+
+  # Per-shard candidates side by side: [Q, shards * local_k] each.
+  scores, rows = jax.shard_map(
+      local_top_k, mesh=mesh, in_specs=(P("data"), P(), P()),
+      out_specs=(P(None, "data"), P(None, "data")))(emb, queries, exclude_rows)
+  top_scores, pos = jax.lax.top_k(scores, k)
+  return top_scores, jnp.take_along_axis(rows, pos, axis=1)
+
+
+def brute_force_top_k(queries: np.ndarray, embeddings: np.ndarray, k: int,
+                      exclude_rows: np.ndarray | None = None, batch_size: int = 256):
+  """Exact top-k in numpy: float32 matmul + argpartition, `batch_size` queries at a time.
+
+  Args:
+    queries: [Q, D] float32.
+    embeddings: [N, D] (any float dtype; products are taken in float32).
+    k: results per query, at most N minus the rows excluded for any query.
+    exclude_rows: optional [Q, E] row indices never to return (-1: nothing).
+
+  Returns:
+    scores [Q, k] float32 in descending order and their rows [Q, k] int64.
+  """
+  emb = embeddings.astype(np.float32, copy=False)
+  n = len(emb)
+  out_scores = np.empty((len(queries), k), np.float32)
+  out_rows = np.empty((len(queries), k), np.int64)
+  for lo in range(0, len(queries), batch_size):
+    scores = queries[lo:lo + batch_size].astype(np.float32) @ emb.T  # [B, N]
+    if exclude_rows is not None:
+      q, e = np.nonzero(exclude_rows[lo:lo + batch_size] >= 0)
+      scores[q, exclude_rows[lo + q, e]] = -np.inf
+    top = np.argpartition(scores, n - k, axis=1)[:, n - k:]  # [B, k], unordered
+    top_scores = np.take_along_axis(scores, top, axis=1)
+    order = np.argsort(-top_scores, axis=1, kind="stable")
+    out_scores[lo:lo + batch_size] = np.take_along_axis(top_scores, order, axis=1)
+    out_rows[lo:lo + batch_size] = np.take_along_axis(top, order, axis=1)
+  return out_scores, out_rows
+
+
+class DocIndex:
+  """Top-k maximum-inner-product search over block embeddings with unique int64 block ids.
+
+  Args:
+    embeddings: [N, D] float array (float32 or bfloat16), N >= 1.
+    block_ids: [N] unique non-negative int64 ids (hashes, not 0..N-1); results are given as these.
+    searcher: "exact", "approx" or "scann" (see the module docstring).
+    mesh: devices to shard the embeddings over, on an axis named "data" (default: all devices).
+      Only for "exact" and "approx".
+    dtype: storage dtype, "float32" or "bfloat16". Scores are always computed in float32.
+    precision: matmul precision of the device searchers; "highest" keeps float32 queries exact on
+      TPU/GPU (the default precision there rounds them to bfloat16/TF32: faster, ~1e-3 relative).
+    query_batch_size: queries per device call; [query_batch_size, N / devices] float32 scores are
+      live on each device at once. Larger query sets are cut into batches of this size.
+    recall_target: recall target of `approx_max_k` ("approx").
+    num_leaves, num_leaves_to_search, training_sample_size, reorder_num_neighbors: ScaNN's tree
+      and re-ordering settings ("scann"). By default no tree up to 100k rows (asymmetric hashing
+      scores every row), else sqrt(N) leaves of which a tenth are searched; 100k training points;
+      the 100 best hashed scores re-ordered. Raise num_leaves_to_search for recall.
+  """
+
+  def __init__(self, embeddings: np.ndarray, block_ids: np.ndarray, searcher: str = "exact", *,
+               mesh: Mesh | None = None, dtype: str = "float32", precision: str = "highest",
+               query_batch_size: int = 256, recall_target: float = 0.95,
+               num_leaves: int | None = None, num_leaves_to_search: int | None = None,
+               training_sample_size: int = 100_000, reorder_num_neighbors: int = 100):
+    embeddings, block_ids = np.asarray(embeddings), np.asarray(block_ids)
+    if searcher not in SEARCHERS:
+      raise ValueError(f"Unknown searcher {searcher!r}: use one of {SEARCHERS}.")
+    if str(dtype) not in DTYPES:
+      raise ValueError(f"Unknown storage dtype {dtype!r}: use one of {tuple(DTYPES)}.")
+    if embeddings.ndim != 2:
+      raise ValueError(f"embeddings must be [N, D]; got shape {embeddings.shape}.")
+    if len(embeddings) == 0:
+      raise ValueError("Cannot build an empty index: embeddings has no rows. Embed a corpus first.")
+    if len(embeddings) >= 2**31:
+      raise ValueError(f"{len(embeddings)} rows do not fit int32 row indices; split the index.")
+    if block_ids.shape != (len(embeddings),) or not np.issubdtype(block_ids.dtype, np.integer):
+      raise ValueError(f"block_ids must be [N] = [{len(embeddings)}] integers; got "
+                       f"{block_ids.dtype} of shape {block_ids.shape}.")
+    block_ids = block_ids.astype(np.int64)
+    order = np.argsort(block_ids, kind="stable")
+    sorted_ids = block_ids[order]
+    duplicated = sorted_ids[1:][sorted_ids[1:] == sorted_ids[:-1]]
+    if len(duplicated):
+      raise ValueError(f"{len(duplicated)} duplicate block ids, e.g. {duplicated[:5].tolist()}: "
+                       "every block needs its own id (check how block ids are hashed).")
+    if sorted_ids[0] < 0:
+      raise ValueError(f"Block ids must be non-negative (-1 means 'nothing' in exclude_ids); got "
+                       f"{sorted_ids[0]}.")
+
+    self.searcher = searcher
+    self.count, self.dim = embeddings.shape
+    self.dtype = DTYPES[str(dtype)]
+    self.block_ids = block_ids  # [N] row -> block id
+    self._sorted_ids, self._sorted_rows = sorted_ids, order  # block id -> row, via searchsorted
+    self.query_batch_size = query_batch_size
+    self.manifest: dict | None = None  # set by `load`
+    if searcher == "scann":
+      self._host_emb = embeddings.astype(self.dtype, copy=False)  # [N, D]
+      self._scann = self._build_scann(num_leaves, num_leaves_to_search, training_sample_size,
+                                      reorder_num_neighbors)
+      self._reorder_num_neighbors = reorder_num_neighbors
+    else:
+      self._init_device(embeddings, mesh, precision,
+                        recall_target if searcher == "approx" else None)
+
+  def _init_device(self, embeddings, mesh, precision, recall_target):
+    mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()), ("data",))
+    if "data" not in mesh.axis_names:
+      raise ValueError(f"The mesh needs an axis named 'data' to shard the index over; it has "
+                       f"{mesh.axis_names}.")
+    shards = mesh.shape["data"]
+    padded = -(-self.count // shards) * shards
+    sharding = NamedSharding(mesh, P("data"))
+
+    def shard(index):  # each device's rows on their own: no padded host copy of the whole index
+      start, stop, _ = index[0].indices(padded)
+      out = np.zeros((stop - start, self.dim), self.dtype)
+      real = embeddings[start:min(stop, self.count)]
+      out[:len(real)] = real
+      return out
+
+    self._emb = jax.make_array_from_callback((padded, self.dim), sharding, shard)  # [N_pad, D]
+    replicated = NamedSharding(mesh, P())
+    self._search_fn = jax.jit(
+        functools.partial(_sharded_top_k, count=self.count, mesh=mesh, recall_target=recall_target,
+                          precision=jax.lax.Precision(precision)),
+        static_argnums=3, in_shardings=(sharding, replicated, replicated),
+        out_shardings=replicated)
+
+  def _build_scann(self, num_leaves, num_leaves_to_search, training_sample_size, reorder):
+    import scann  # local: importing ScaNN loads TensorFlow (seconds)
+
+    n = self.count
+    if num_leaves is None:
+      # ScaNN's rule of thumb: partition only beyond 100k rows, into ~sqrt(N) leaves. Searching a
+      # tenth of them is REALM's setting (1000 leaves, 100 searched for 13M blocks).
+      num_leaves = math.isqrt(n) if n > 100_000 else 1
+    num_leaves = min(num_leaves, n)
+    if num_leaves_to_search is None:
+      num_leaves_to_search = max(1, num_leaves // 10)
+    num_leaves_to_search = min(num_leaves_to_search, num_leaves)
+    db = np.ascontiguousarray(self._host_emb, dtype=np.float32)
+    start = time.perf_counter()
+    builder = scann.scann_ops_pybind.builder(db, reorder, "dot_product")
+    if num_leaves > 1:  # a tree of one leaf fails to train; without a tree AH scores every row
+      builder = builder.tree(num_leaves=num_leaves, num_leaves_to_search=num_leaves_to_search,
+                             training_sample_size=min(training_sample_size, n))
+    searcher = builder.score_ah(
+        2, anisotropic_quantization_threshold=0.2, training_sample_size=min(training_sample_size, n)
+    ).reorder(reorder).build()
+    self.scann_settings = dict(num_leaves=num_leaves, num_leaves_to_search=num_leaves_to_search,
+                               reorder_num_neighbors=reorder)
+    logging.info("ScaNN over %d rows (%s) built in %.1f s", n, self.scann_settings,
+                 time.perf_counter() - start)
+    return searcher
+
+  def embeddings(self) -> np.ndarray:
+    """The stored [N, D] embeddings on the host, in the storage dtype."""
+    if self.searcher == "scann":
+      return self._host_emb
+    return np.asarray(jax.device_get(self._emb))[:self.count]
+
+  def _rows(self, ids: np.ndarray) -> np.ndarray:
+    """Row of each block id (same shape), -1 for ids not in the index (and for -1)."""
+    pos = np.minimum(np.searchsorted(self._sorted_ids, ids), self.count - 1)
+    return np.where(self._sorted_ids[pos] == ids, self._sorted_rows[pos], -1)
+
+  def _check(self, queries, k, exclude_ids):
+    """Validated float32 queries [Q, D] and int32 excluded rows [Q, E]."""
+    if not isinstance(k, (int, np.integer)) or k < 1:
+      raise ValueError(f"k must be a positive integer; got {k!r}.")
+    queries = np.asarray(queries)
+    if queries.ndim != 2:
+      raise ValueError(f"queries must be [Q, D]; got shape {queries.shape}. For one query pass "
+                       "queries[None].")
+    if queries.shape[1] != self.dim:
+      raise ValueError(f"Query dimension {queries.shape[1]} does not match the index dimension "
+                       f"{self.dim}: embed queries with the same retriever as the index.")
+    num_queries = len(queries)
+    if exclude_ids is None:
+      exclude_rows = np.full((num_queries, 1), -1, np.int32)
+    else:
+      exclude_ids = np.asarray(exclude_ids)
+      if exclude_ids.ndim == 1:
+        exclude_ids = exclude_ids[:, None]
+      if exclude_ids.ndim != 2 or len(exclude_ids) != num_queries or exclude_ids.shape[1] == 0:
+        raise ValueError(f"exclude_ids must be [Q] or [Q, E] with Q = {num_queries} and E >= 1 "
+                         f"(-1 for 'nothing'); got shape {exclude_ids.shape}.")
+      exclude_rows = self._rows(exclude_ids.astype(np.int64)).astype(np.int32)
+    # Each query can return the rows it does not exclude (an id listed twice counts once).
+    ordered = np.sort(exclude_rows, axis=1)
+    distinct = (ordered >= 0) & np.concatenate(
+        [np.ones((num_queries, 1), bool), ordered[:, 1:] != ordered[:, :-1]], axis=1)
+    returnable = self.count - distinct.sum(1).max(initial=0)
+    if k > returnable:
+      raise ValueError(f"k = {k} is more than the {returnable} rows a query can return (index of "
+                       f"{self.count} rows, minus excluded ones); ask for k <= {returnable}.")
+    return queries.astype(np.float32, copy=False), exclude_rows
+
+  def search(self, queries: np.ndarray, k: int, exclude_ids: np.ndarray | None = None):
+    """Top-k blocks for each query, by inner product.
+
+    Args:
+      queries: [Q, D] float queries.
+      k: results per query; at most N minus the blocks excluded for any query.
+      exclude_ids: None, or int64 block ids [Q] or [Q, E] never to return for that query (-1 and ids
+        not in the index exclude nothing).
+
+    Returns:
+      scores [Q, k] float32 in descending order and their block ids [Q, k] int64.
+    """
+    queries, exclude_rows = self._check(queries, k, exclude_ids)
+    num_queries = len(queries)
+    if num_queries == 0:
+      return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+    batch = min(num_queries, self.query_batch_size)
+    fn = self._search_scann if self.searcher == "scann" else self._search_device
+    parts = []
+    for lo in range(0, num_queries, batch):
+      q, ex = queries[lo:lo + batch], exclude_rows[lo:lo + batch]
+      if len(q) < batch:  # pad the last batch so that every call has the same shape (no recompile)
+        q = np.concatenate([q, np.zeros((batch - len(q), self.dim), np.float32)])
+        ex = np.concatenate([ex, np.full((batch - len(ex), ex.shape[1]), -1, np.int32)])
+      parts.append(fn(q, k, ex))
+    # Device calls run asynchronously until their results are read here.
+    scores = np.concatenate([np.asarray(s) for s, _ in parts])[:num_queries]
+    rows = np.concatenate([np.asarray(r) for _, r in parts])[:num_queries]
+    return scores, self.block_ids[rows]
+
+  def _search_device(self, queries, k, exclude_rows):
+    return self._search_fn(self._emb, queries, exclude_rows, k)
+
+  def _search_scann(self, queries, k, exclude_rows):
+    """ScaNN candidates, re-scored exactly; queries left with < k candidates are brute-forced."""
+    candidates = min(self.count, k + exclude_rows.shape[1])
+    rows, dist = self._scann.search_batched_parallel(
+        queries, final_num_neighbors=candidates,
+        pre_reorder_num_neighbors=max(candidates, self._reorder_num_neighbors),
+        batch_size=-(-len(queries) // (os.cpu_count() or 1)))  # a share of the queries per core
+    rows = rows.astype(np.int64)  # [Q, C]
+    emb = self._host_emb[rows].astype(np.float32)  # [Q, C, D]
+    scores = np.einsum("qd,qcd->qc", queries, emb)
+    # ScaNN pads with NaN distances when its searched leaves hold fewer than C rows.
+    drop = np.isnan(dist) | (rows[:, :, None] == exclude_rows[:, None, :]).any(-1)
+    scores[drop] = -np.inf
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # [Q, k]
+    top_scores = np.take_along_axis(scores, order, axis=1)
+    top_rows = np.take_along_axis(rows, order, axis=1)
+    short = np.isneginf(top_scores[:, -1])
+    if short.any():
+      top_scores[short], top_rows[short] = brute_force_top_k(
+          queries[short], self._host_emb, k, exclude_rows[short])
+    return top_scores, top_rows
+
+  def save(self, directory: str | os.PathLike, *, step: int, model_fingerprint: str,
+           corpus_fingerprint: str) -> None:
+    """Writes `index.safetensors` and `manifest.json` into `directory`, atomically (replacing it).
+
+    Args:
+      directory: where the index goes; it appears complete or not at all.
+      step: training step of the retriever that embedded the corpus.
+      model_fingerprint: identifies those retriever weights.
+      corpus_fingerprint: identifies the blocks (text and order); `load` can insist on it.
+    """
+    from safetensors.numpy import save_file  # local: only saving and loading need it
+
+    manifest = {"format_version": FORMAT_VERSION, "step": int(step),
+                "model_fingerprint": str(model_fingerprint),
+                "corpus_fingerprint": str(corpus_fingerprint), "dtype": self.dtype.name,
+                "count": self.count, "dim": self.dim}
+    arrays = {"embeddings": self.embeddings(), "block_ids": self.block_ids}
+
+    def write(tmp):
+      save_file(arrays, os.path.join(tmp, ARRAYS))
+      write_json(os.path.join(tmp, MANIFEST), manifest)
+
+    atomic_write_dir(directory, write)
+
+  @classmethod
+  def load(cls, directory: str | os.PathLike, *, expected_dim: int | None = None,
+           expected_corpus_fingerprint: str | None = None, searcher: str = "exact",
+           mesh: Mesh | None = None, dtype: str | None = None, **options) -> "DocIndex":
+    """Reads an index written by `save`; `options` go to the constructor.
+
+    Args:
+      expected_dim / expected_corpus_fingerprint: if given, must match the manifest.
+      dtype: storage dtype to use (default: the saved one).
+    """
+    from safetensors.numpy import load_file  # local: only saving and loading need it
+
+    directory = os.fspath(directory)
+    manifest = read_manifest(directory)
+    if expected_dim is not None and manifest["dim"] != expected_dim:
+      raise ValueError(f"The index in {directory} has dimension {manifest['dim']}, but "
+                       f"{expected_dim} was expected: rebuild it with the current retriever.")
+    if (expected_corpus_fingerprint is not None
+        and manifest["corpus_fingerprint"] != expected_corpus_fingerprint):
+      raise ValueError(f"The index in {directory} was built from corpus "
+                       f"{manifest['corpus_fingerprint']!r}, but corpus "
+                       f"{expected_corpus_fingerprint!r} was expected: rebuild the index for "
+                       "this corpus.")
+    arrays = load_file(os.path.join(directory, ARRAYS))
+    emb, ids = arrays.get("embeddings"), arrays.get("block_ids")
+    if (emb is None or ids is None or emb.shape != (manifest["count"], manifest["dim"])
+        or ids.shape != (manifest["count"],)):
+      raise ValueError(f"{directory}/{ARRAYS} does not hold the [{manifest['count']}, "
+                       f"{manifest['dim']}] embeddings and block ids its manifest promises; "
+                       "rebuild the index.")
+    index = cls(emb, ids, searcher, mesh=mesh, dtype=dtype or manifest["dtype"], **options)
+    index.manifest = manifest
+    return index
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+  """The validated manifest of a saved index; a clear error if it is missing, corrupt or too new."""
+  path = os.path.join(os.fspath(directory), MANIFEST)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist: {directory} is not a saved index (or its "
+                            "write did not finish). Save one with DocIndex.save or publish_index.")
+  try:
+    manifest = read_json(path)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is not valid JSON ({e}); delete {directory} and rebuild it.") from e
+  keys = ("format_version", "step", "model_fingerprint", "corpus_fingerprint", "dtype", "count",
+          "dim")
+  if not isinstance(manifest, dict) or any(key not in manifest for key in keys):
+    raise ValueError(f"{path} lacks some of {keys}; delete {directory} and rebuild it.")
+  if manifest["format_version"] != FORMAT_VERSION:
+    raise ValueError(f"{path} has format_version {manifest['format_version']!r}; this realm_jax "
+                     f"reads version {FORMAT_VERSION}. Rebuild the index, or use the realm_jax "
+                     "that wrote it.")
+  if manifest["dtype"] not in DTYPES:
+    raise ValueError(f"{path} has unknown dtype {manifest['dtype']!r}; expected one of "
+                     f"{tuple(DTYPES)}.")
+  return manifest
+
+
+def publish_index(root: str | os.PathLike, index: DocIndex, step: int, *, model_fingerprint: str,
+                  corpus_fingerprint: str) -> str:
+  """Saves `index` as `root/index-{step:08d}`, then points `root/LATEST` at it; returns its path.
+
+  The index directory is complete before LATEST names it, and both are renamed into place, so a
+  reader that follows LATEST never sees a partial index.
+  """
+  name = f"index-{step:08d}"
+  path = os.path.join(os.fspath(root), name)
+  index.save(path, step=step, model_fingerprint=model_fingerprint,
+             corpus_fingerprint=corpus_fingerprint)
+  write_json(os.path.join(os.fspath(root), LATEST), {"directory": name, "step": int(step)})
+  return path
+
+
+def latest_index_dir(root: str | os.PathLike) -> str | None:
+  """The index that `root/LATEST` names, or else the complete `index-*` of the highest step.
+
+  LATEST wins over a higher step because a run resumed from an older checkpoint republishes an
+  older step on purpose. Temporary directories of interrupted writes are never returned; None if
+  there is no complete index.
+  """
+  root = os.fspath(root)
+  if not os.path.isdir(root):
+    return None
+
+  def complete(name):
+    try:
+      read_manifest(os.path.join(root, name))
+    except (OSError, ValueError):
+      return False
+    return os.path.exists(os.path.join(root, name, ARRAYS))
+
+  try:
+    name = read_json(os.path.join(root, LATEST))["directory"]
+    if isinstance(name, str) and _INDEX_DIR.fullmatch(name) and complete(name):
+      return os.path.join(root, name)
+  except (OSError, ValueError, KeyError, TypeError):
+    pass
+  names = [d for d in os.listdir(root) if _INDEX_DIR.fullmatch(d)]
+  for name in sorted(names, key=lambda d: int(_INDEX_DIR.fullmatch(d)[1]), reverse=True):
+    if complete(name):
+      return os.path.join(root, name)
+  return None

@@ -1,0 +1,289 @@
+"""DocIndex: sharded exact/approx search and ScaNN against numpy brute force; save/load; publish."""
+
+import json
+import os
+
+import chex
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from realm_jax.retrieval import index as index_lib
+from realm_jax.retrieval.index import DocIndex, latest_index_dir, publish_index, read_manifest
+
+DIM = 16
+
+
+def untied_data(seed, n, q, dim=DIM):
+  """Embeddings [n, dim], unique 63-bit ids [n] and queries [q, dim] with no tied scores.
+
+  Entries are dyadic (12-bit embeddings, 10-bit queries), so float32 products and sums are exact:
+  every implementation gets identical scores, ties can be ruled out exactly, and bfloat16 storage
+  (8 bits) really rounds the embeddings.
+  """
+  rng = np.random.default_rng(seed)
+  while True:
+    emb = (rng.integers(-2**11, 2**11, size=(n, dim)) / 2**11).astype(np.float32)
+    queries = (rng.integers(-2**9, 2**9, size=(q, dim)) / 2**9).astype(np.float32)
+    stored_as = (emb, emb.astype(jax.numpy.bfloat16).astype(np.float32))
+    if all(len(np.unique(row)) == n for stored in stored_as for row in queries @ stored.T):
+      return emb, rng.choice(2**63 - 1, n, replace=False).astype(np.int64), queries
+
+
+def brute_force(queries, emb, ids, k, exclude=None):
+  """Reference: full float32 score matrix, excluded ids at -inf, sorted."""
+  scores = queries @ emb.astype(np.float32).T  # [Q, N]
+  if exclude is not None:
+    for q, row in enumerate(np.reshape(exclude, (len(queries), -1))):
+      scores[q, np.isin(ids, row)] = -np.inf
+  order = np.argsort(-scores, axis=1)[:, :k]
+  return np.take_along_axis(scores, order, axis=1), ids[order]
+
+
+def clustered(seed, n, dim, clusters=100):
+  rng = np.random.default_rng(seed)
+  centers = rng.normal(size=(clusters, dim))
+  emb = (centers[rng.integers(0, clusters, n)] + 0.5 * rng.normal(size=(n, dim))).astype(np.float32)
+  return emb, rng.choice(2**62, n, replace=False).astype(np.int64), rng
+
+
+def recall(found, truth):
+  return np.mean([len(set(f) & set(t)) / len(t) for f, t in zip(found, truth)])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def eight_devices():
+  if jax.device_count() < 8:
+    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by conftest)")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 13, 301, 1029])
+def test_exact_sharded_equals_brute_force(n, dtype):
+  emb, ids, queries = untied_data(n, n, q=5)
+  index = DocIndex(emb, ids, dtype=dtype)
+  stored = index.embeddings()
+  assert stored.dtype == np.dtype(dtype) and stored.shape == (n, DIM)
+  np.testing.assert_array_equal(stored.astype(np.float32), emb.astype(dtype).astype(np.float32))
+
+  rng = np.random.default_rng(0)
+  top = brute_force(queries, stored, ids, n)[1]  # every id, best first
+  unknown = np.int64(2**62 + 7)  # not in the index: excludes nothing
+  exclusions = [None, np.full(5, -1)]
+  if n > 1:
+    exclusions += [top[:, 0],  # [Q]: each query's best block
+                   np.stack([top[:, 1], np.full(5, -1), top[:, 0], top[:, 1], np.full(5, unknown)],
+                            axis=1)]  # [Q, E] with padding, a repeat and an unknown id
+  for exclude in exclusions:
+    distinct = 0 if exclude is None else max(len(set(row) & set(ids)) for row in
+                                             np.reshape(exclude, (5, -1)))
+    for k in sorted({1, min(4, n - distinct), n - distinct}):
+      scores, found = index.search(queries, k, exclude_ids=exclude)
+      want_scores, want_ids = brute_force(queries, stored, ids, k, exclude)
+      assert scores.dtype == np.float32 and found.dtype == np.int64
+      assert scores.shape == found.shape == (5, k)
+      np.testing.assert_array_equal(found, want_ids, err_msg=f"k={k} exclude={exclude}")
+      np.testing.assert_allclose(scores, want_scores, atol=1e-5, rtol=1e-5)
+
+
+def test_embeddings_are_sharded_over_all_devices_and_padded():
+  emb, ids, _ = untied_data(0, 13, q=1)
+  index = DocIndex(np.abs(emb) + 0.1, ids)
+  assert len(index._emb.sharding.device_set) == 8
+  assert index._emb.shape == (16, DIM)  # 13 rows padded to 2 per device
+  assert {s.data.shape for s in index._emb.addressable_shards} == {(2, DIM)}
+  # Every row scores below 0 here, so an unmasked (zero) padding row would come first.
+  scores, found = index.search(-np.ones((2, DIM), np.float32), 13)
+  assert (scores < 0).all() and set(found[0]) == set(ids)
+
+
+def test_explicit_mesh_of_three_devices():
+  emb, ids, queries = untied_data(1, 13, q=4)
+  index = DocIndex(emb, ids, mesh=Mesh(np.array(jax.devices()[:3]), ("data",)))
+  assert len(index._emb.sharding.device_set) == 3
+  scores, found = index.search(queries, 5)
+  want_scores, want_ids = brute_force(queries, emb, ids, 5)
+  np.testing.assert_array_equal(found, want_ids)
+  np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+
+
+def test_many_queries_are_batched_and_not_recompiled(monkeypatch):
+  chex.clear_trace_counter()
+  monkeypatch.setattr(index_lib, "_sharded_top_k",
+                      chex.assert_max_traces(index_lib._sharded_top_k, n=1))
+  emb, ids, queries = untied_data(2, 301, q=11)
+  index = DocIndex(emb, ids, query_batch_size=4)
+  for q, exclude in [(queries, None), (queries[:8], ids[:8]), (queries[3:], None)]:
+    scores, found = index.search(q, 3, exclude_ids=exclude)  # batches of 4 queries, E = 1
+    want_scores, want_ids = brute_force(q, emb, ids, 3, exclude)
+    np.testing.assert_array_equal(found, want_ids)
+    np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+  with pytest.raises(AssertionError, match="traced > 1 times"):
+    index.search(queries, 4)  # a new k is a new program: the counter does see traces
+
+
+def test_approx_recall():
+  emb, ids, rng = clustered(3, 5000, 32)
+  queries = (emb[rng.integers(0, 5000, 64)] + 0.3 * rng.normal(size=(64, 32))).astype(np.float32)
+  exact = DocIndex(emb, ids).search(queries, 10)[1]
+  scores, found = DocIndex(emb, ids, "approx", recall_target=0.95).search(queries, 10)
+  assert recall(found, exact) >= 0.9
+  assert (np.diff(scores, axis=1) <= 0).all()
+
+
+@pytest.fixture(scope="module")
+def scann_case():
+  pytest.importorskip("scann")
+  emb, ids, rng = clustered(4, 20000, 64)
+  sources = rng.integers(0, 20000, 200)
+  queries = (emb[sources] + 0.3 * rng.normal(size=(200, 64))).astype(np.float32)
+  # A tree as REALM's (sqrt(N) leaves, a tenth searched); the default for 20k rows has none.
+  tree = DocIndex(emb, ids, "scann", num_leaves=141, num_leaves_to_search=14)
+  return dict(tree=tree, default=DocIndex(emb, ids, "scann"), exact=DocIndex(emb, ids),
+              queries=queries, sources=ids[sources])
+
+
+@pytest.mark.parametrize("variant", ["tree", "default"])
+def test_scann_recall(scann_case, variant):
+  exact_scores, exact_ids = scann_case["exact"].search(scann_case["queries"], 10)
+  scores, found = scann_case[variant].search(scann_case["queries"], 10)
+  assert recall(found, exact_ids) >= 0.95
+  # Hits are re-scored exactly: a block found by both has the same score in both.
+  same = found == exact_ids
+  np.testing.assert_allclose(scores[same], exact_scores[same], atol=1e-4)
+
+
+def test_scann_excludes_blocks(scann_case):
+  scann_index, exact_index = scann_case["tree"], scann_case["exact"]
+  queries, sources = scann_case["queries"], scann_case["sources"]
+  # Without the exclusion most queries find the block they were made from.
+  assert (scann_index.search(queries, 10)[1] == sources[:, None]).any(1).mean() > 0.9
+  _, found = scann_index.search(queries, 10, exclude_ids=sources)
+  assert not (found == sources[:, None]).any()
+  assert recall(found, exact_index.search(queries, 10, exclude_ids=sources)[1]) >= 0.95
+
+
+def test_scann_too_few_candidates_falls_back_to_exact():
+  pytest.importorskip("scann")
+  emb, ids, queries = untied_data(5, 301, q=4)
+  # One leaf of four searched holds ~75 rows: fewer than k, so those queries are brute-forced.
+  index = DocIndex(emb, ids, "scann", num_leaves=4, num_leaves_to_search=1,
+                   reorder_num_neighbors=10)
+  exclude = brute_force(queries, emb, ids, 1)[1][:, 0]
+  scores, found = index.search(queries, 200, exclude_ids=exclude)
+  want_scores, want_ids = brute_force(queries, emb, ids, 200, exclude)
+  np.testing.assert_array_equal(found, want_ids)
+  np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_save_load_round_trip(tmp_path, dtype):
+  emb, ids, queries = untied_data(6, 29, q=3)
+  index = DocIndex(emb, ids, dtype=dtype)
+  index.save(tmp_path / "idx", step=7, model_fingerprint="m1", corpus_fingerprint="c1")
+  assert sorted(os.listdir(tmp_path)) == ["idx"]  # no temporary directory left behind
+  assert sorted(os.listdir(tmp_path / "idx")) == ["index.safetensors", "manifest.json"]
+  manifest = read_manifest(tmp_path / "idx")
+  assert manifest == {"format_version": 1, "step": 7, "model_fingerprint": "m1",
+                      "corpus_fingerprint": "c1", "dtype": dtype, "count": 29, "dim": DIM}
+  loaded = DocIndex.load(tmp_path / "idx", expected_dim=DIM, expected_corpus_fingerprint="c1")
+  assert loaded.manifest == manifest and loaded.dtype == index.dtype
+  np.testing.assert_array_equal(loaded.embeddings(), index.embeddings())
+  np.testing.assert_array_equal(loaded.block_ids, ids)
+  for a, b in zip(loaded.search(queries, 5, ids[:3]), index.search(queries, 5, ids[:3])):
+    np.testing.assert_array_equal(a, b)
+  # Saving again replaces the directory whole.
+  DocIndex(emb[:5], ids[:5]).save(tmp_path / "idx", step=8, model_fingerprint="m2",
+                                  corpus_fingerprint="c2")
+  assert DocIndex.load(tmp_path / "idx").count == 5
+  assert sorted(os.listdir(tmp_path)) == ["idx"]
+
+
+def test_load_into_another_searcher_and_dtype(tmp_path):
+  emb, ids, queries = untied_data(7, 50, q=3)
+  DocIndex(emb, ids).save(tmp_path, step=0, model_fingerprint="m", corpus_fingerprint="c")
+  loaded = DocIndex.load(tmp_path, searcher="approx", dtype="bfloat16")
+  assert loaded.searcher == "approx" and loaded.embeddings().dtype == jax.numpy.bfloat16
+
+
+def test_load_mismatches_and_broken_manifests(tmp_path):
+  emb, ids, _ = untied_data(8, 10, q=1)
+  path = tmp_path / "idx"
+  DocIndex(emb, ids).save(path, step=1, model_fingerprint="m", corpus_fingerprint="wiki-a")
+  with pytest.raises(ValueError, match=rf"{path}.*dimension {DIM}.*128 was expected"):
+    DocIndex.load(path, expected_dim=128)
+  with pytest.raises(ValueError, match=rf"{path}.*'wiki-a'.*'wiki-b' was expected"):
+    DocIndex.load(path, expected_corpus_fingerprint="wiki-b")
+
+  manifest = json.loads((path / "manifest.json").read_text())
+  (path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+  with pytest.raises(ValueError, match="format_version 99.*reads version 1"):
+    DocIndex.load(path)
+  (path / "manifest.json").write_text('{"format_version": 1, "st')
+  with pytest.raises(ValueError, match="manifest.json is not valid JSON"):
+    DocIndex.load(path)
+  (path / "manifest.json").write_text(json.dumps({**manifest, "count": 11}))
+  with pytest.raises(ValueError, match=r"does not hold the \[11, 16\] embeddings"):
+    DocIndex.load(path)
+  (path / "manifest.json").unlink()
+  with pytest.raises(FileNotFoundError, match="manifest.json does not exist.*not a saved index"):
+    DocIndex.load(path)
+
+
+def test_publish_and_latest(tmp_path):
+  emb, ids, _ = untied_data(9, 10, q=1)
+  index = DocIndex(emb, ids)
+  assert latest_index_dir(tmp_path) is None
+  assert latest_index_dir(tmp_path / "missing") is None
+  for step in (100, 200):
+    path = publish_index(tmp_path, index, step, model_fingerprint="m", corpus_fingerprint="c")
+    assert path == str(tmp_path / f"index-{step:08d}")
+  assert json.loads((tmp_path / "LATEST").read_text())["directory"] == "index-00000200"
+  assert latest_index_dir(tmp_path) == str(tmp_path / "index-00000200")
+
+  # A writer that crashed mid-save left its temporary directory: never returned.
+  crashed = tmp_path / ".tmp-index-00000300-abc123"
+  crashed.mkdir()
+  (crashed / "index.safetensors").write_bytes(b"partial")
+  assert latest_index_dir(tmp_path) == str(tmp_path / "index-00000200")
+
+  # Without a usable LATEST, the newest complete index directory.
+  (tmp_path / "LATEST").write_text("{not json")
+  assert latest_index_dir(tmp_path) == str(tmp_path / "index-00000200")
+  (tmp_path / "LATEST").unlink()
+  assert latest_index_dir(tmp_path) == str(tmp_path / "index-00000200")
+
+  # A run resumed from an older checkpoint republishes an older step: LATEST follows it.
+  publish_index(tmp_path, index, 150, model_fingerprint="m", corpus_fingerprint="c")
+  assert latest_index_dir(tmp_path) == str(tmp_path / "index-00000150")
+  assert DocIndex.load(latest_index_dir(tmp_path)).manifest["step"] == 150
+
+
+def test_bad_inputs():
+  emb, ids, queries = untied_data(10, 13, q=2)
+  index = DocIndex(emb, ids)
+  with pytest.raises(ValueError, match="k must be a positive integer; got 0"):
+    index.search(queries, 0)
+  with pytest.raises(ValueError, match="k = 14 is more than the 13 rows"):
+    index.search(queries, 14)
+  with pytest.raises(ValueError, match="k = 13 is more than the 12 rows"):
+    index.search(queries, 13, exclude_ids=np.array([ids[0], -1]))
+  with pytest.raises(ValueError, match="Query dimension 8 does not match the index dimension 16"):
+    index.search(queries[:, :8], 1)
+  with pytest.raises(ValueError, match=r"queries must be \[Q, D\]; got shape \(16,\)"):
+    index.search(queries[0], 1)
+  with pytest.raises(ValueError, match=r"exclude_ids must be \[Q\] or \[Q, E\] with Q = 2"):
+    index.search(queries, 1, exclude_ids=ids[:3])
+  with pytest.raises(ValueError, match="1 duplicate block ids"):
+    DocIndex(emb, np.concatenate([ids[:12], ids[:1]]))
+  with pytest.raises(ValueError, match="empty index"):
+    DocIndex(np.zeros((0, DIM), np.float32), np.zeros(0, np.int64))
+  with pytest.raises(ValueError, match="must be non-negative"):
+    DocIndex(emb, np.arange(-1, 12))
+  with pytest.raises(ValueError, match=r"block_ids must be \[N\] = \[13\]"):
+    DocIndex(emb, ids[:12])
+  with pytest.raises(ValueError, match="Unknown searcher 'faiss'"):
+    DocIndex(emb, ids, "faiss")
+  with pytest.raises(ValueError, match="Unknown storage dtype 'float16'"):
+    DocIndex(emb, ids, dtype="float16")
