@@ -2,7 +2,8 @@
 
   python benchmarks/search.py                           # 1M x 128 clustered random vectors
   python benchmarks/search.py --n=100000 --queries=200  # quick
-  python benchmarks/search.py --embeddings=work/demo/corpus_embeddings.safetensors
+  python benchmarks/search.py --embeddings=work/wiki_vital_minilm/index/index-00000000 \
+      --questions=../shared/data/nq_open/NQ-open.dev.jsonl   # the real corpus, real questions
 
 Each method indexes the same [N, D] float32 vectors and answers the same queries for the top
 `--k`; recall@k is measured against numpy brute force (float32 matmul + argpartition). Every
@@ -23,9 +24,19 @@ import numpy as np
 
 def make_data(args, rng):
   """(index vectors [N, D], queries [Q, D]) float32."""
-  if args.embeddings:
+  if args.embeddings and os.path.isdir(args.embeddings):  # an index published by build_index.py
+    from realm_jax.retrieval.index import DocIndex
+    emb = DocIndex.load(args.embeddings).embeddings().astype(np.float32)
+  elif args.embeddings:
     from safetensors.numpy import load_file
     emb = load_file(args.embeddings)["embeddings"].astype(np.float32)
+  if args.embeddings and args.questions:  # real questions, embedded with MiniLM, as queries
+    from realm_jax.data.qa import load_qa_jsonl
+    from realm_jax.eval.retrieval import embed_questions
+    from realm_jax.retrieval.towers import load_tower
+    questions = [q["question"] for q in load_qa_jsonl(args.questions, limit=args.queries)]
+    return np.ascontiguousarray(emb), embed_questions(load_tower("minilm"), questions)
+  if args.embeddings:
     if len(emb) <= args.queries:
       raise ValueError(f"{args.embeddings} has {len(emb)} rows: too few to hold out "
                        f"--queries={args.queries} of them as queries.")
@@ -59,7 +70,11 @@ def main():
                  help="Gaussian clusters (without --embeddings)")
   p.add_argument("--queries", type=int, default=1000)
   p.add_argument("--k", type=int, default=10)
-  p.add_argument("--embeddings", default=None, help="safetensors file with key 'embeddings'")
+  p.add_argument("--embeddings", default=None,
+                 help="safetensors file with key 'embeddings', or an index directory")
+  p.add_argument("--questions", default=None,
+                 help="with --embeddings: NQ-Open style JSONL whose questions, embedded with "
+                      "MiniLM, are the queries (instead of perturbed held-out rows)")
   p.add_argument("--repeats", type=int, default=3, help="timed runs per method (best is kept)")
   p.add_argument("--query_batch_size", type=int, default=256, help="queries per device call")
   p.add_argument("--skip", default="", help="comma-separated methods to leave out, e.g. scann")

@@ -138,3 +138,12 @@ def test_bad_corpus_files_name_file_and_line(tmp_path, vocab_file):
         source="jsonl", paths=(str(tmp_path / "blank.jsonl"),), vocab_file=vocab_file))
   with pytest.raises(ValueError, match="corpus source='web'"):
     CorpusConfig(source="web", vocab_file=vocab_file)
+
+
+def test_no_text_is_lost_when_the_splitter_fails():
+  # pysbd returns no sentence at all for this Wikipedia summary.
+  text = ("The Symphony No. 3 in E\u266d major, Op. 55, titled as the Eroica Symphony, is a symphony "
+          "in four movements by Ludwig van Beethoven. It was first performed in 1805.")
+  assert split_sentences(text) == [
+      "The Symphony No. 3 in E\u266d major, Op. 55, titled as the Eroica Symphony, is a symphony in "
+      "four movements by Ludwig van Beethoven.", "It was first performed in 1805."]

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 import tensorflow_datasets.core  # noqa: F401  (tfds.core is not imported by the package itself)
 
-from realm_jax.data.blocks import BLOCKINGS, pack_blocks
+from realm_jax.data.blocks import BLOCKING_VERSION, BLOCKINGS, pack_blocks
 from realm_jax.data.sources import SOURCES, documents, jsonl_files
 from realm_jax.io_utils import atomic_write
 from realm_jax.text import BertTokenizer, batch_join
@@ -51,7 +51,7 @@ class CorpusConfig:
   @property
   def fingerprint(self) -> str:
     h = hashlib.sha256()
-    h.update(repr((self.source, self.block_length, self.blocking, self.max_docs,
+    h.update(repr((BLOCKING_VERSION, self.source, self.block_length, self.blocking, self.max_docs,
                    self.tfds_name)).encode())
     with open(self.vocab_file, "rb") as f:
       h.update(f.read())

@@ -56,7 +56,7 @@ def bucket_batches(lengths: np.ndarray, buckets: list[int], batch_size: int,
 def embed_in_buckets(embed_fn: Callable[[Batch], jax.Array], inputs: Batch, batch_size: int,
                      buckets: list[int] | None = None, mesh: Mesh | None = None,
                      desc: str = "embedding", progress: tqdm | None = None,
-                     tokens_per_batch: int | None = 2048) -> np.ndarray:
+                     tokens_per_batch: int | None = 1024) -> np.ndarray:
   """Embeds N padded rows of `inputs` ([N, L] int arrays) and returns [N, D] float32 in input order.
 
   Args:
@@ -67,7 +67,7 @@ def embed_in_buckets(embed_fn: Callable[[Batch], jax.Array], inputs: Batch, batc
     mesh: devices to shard the batch over (default: all local devices on one "data" axis).
     progress: a tqdm bar to advance (default: a new one for these rows).
     tokens_per_batch: rows x length per step per device (None: always `batch_size` rows). On CPU
-      ~2k tokens keeps activations in cache: measured 1.4x faster than 8k at length 256.
+      ~1k tokens keeps activations in cache: on 2 cores, 1024 embedded MiniLM articles at 59 docs/s, 4096 at 46, fixed batches of 64 rows at 31.
   """
   n, max_len = inputs["input_ids"].shape
   if n == 0:
