@@ -1,0 +1,79 @@
+"""experiments/build_index.py's pipeline with HF REALM weights: corpus -> embeddings -> index."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from realm_jax.checkpoints import save_hf_checkpoint
+from realm_jax.configs.build_index import get_config
+from realm_jax.models import RealmRetriever, tiny_config
+from realm_jax.retrieval import build
+from realm_jax.retrieval.index import DocIndex
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "."] + [f"w{i}" for i in range(60)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("build")
+  config = tiny_config(vocab_size=len(WORDS), max_position_embeddings=64)
+  ids = np.ones((1, 8), np.int32)
+  q = dict(input_ids=ids, attention_mask=ids, token_type_ids=0 * ids)
+  c = {k: v[:, None] for k, v in q.items()}
+  params = RealmRetriever(config, share_embedders=False).init(jax.random.key(3), q, c)["params"]
+  weights = root / "retriever"
+  save_hf_checkpoint(weights, config, params, "retriever")
+  (weights / "vocab.txt").write_text("\n".join(WORDS) + "\n")
+  rng = np.random.default_rng(0)
+  docs = [{"title": f"w{i}", "text": " ".join(f"w{j}" for j in rng.integers(0, 60, 12)) + "."}
+          for i in range(25)]
+  (root / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+  (root / "q.jsonl").write_text("".join(json.dumps({"question": d["text"][:20], "answer": [d["title"]]})
+                                        + "\n" for d in docs[:5]))
+  cfg = get_config("tiny")
+  cfg.weights = str(weights)
+  cfg.corpus.source, cfg.corpus.paths = "jsonl", (str(root / "docs.jsonl"),)
+  cfg.eval.questions = str(root / "q.jsonl")
+  return root, cfg, params
+
+
+def test_build_index_with_hf_retriever_weights(setup):
+  root, cfg, params = setup
+  result = build.build_and_evaluate(cfg, str(root / "work"))
+  assert set(result["recall"]) == {1, 5, 20} and result["block_ids"].shape == (5, 20)
+  corpus, index, query_tower = build.load_built_index(cfg, str(root / "work"))
+  assert len(corpus) == 25 and index.dim == 16 and index.count == 25
+  # The document tower embeds blocks, the (separate) query tower questions.
+  from realm_jax.eval.retrieval import embed_questions
+  from realm_jax.models import RealmEmbedder
+  rows = np.arange(len(corpus))
+  inputs = corpus.model_inputs(rows, cfg.max_length, query_tower.tokenizer)
+  doc_model = RealmEmbedder(tiny_config(vocab_size=len(WORDS), max_position_embeddings=64))
+  want = doc_model.apply({"params": params["embedder"]}, inputs["input_ids"],
+                         inputs["attention_mask"], inputs["token_type_ids"])
+  np.testing.assert_allclose(index.embeddings(), want, atol=1e-5)
+  q = embed_questions(query_tower, ["w1 w2 w3"])
+  q_doc = embed_questions(build._tower(cfg, "document"), ["w1 w2 w3"])
+  assert not np.allclose(q, q_doc)  # separate towers
+
+
+def test_index_of_another_corpus_is_refused(setup, tmp_path):
+  root, cfg, _ = setup
+  build.build_index(cfg, str(tmp_path))
+  path = tmp_path / "index" / "index-00000000"
+  with pytest.raises(ValueError, match="corpus"):
+    DocIndex.load(path, expected_corpus_fingerprint="somethingelse")
+  with pytest.raises(ValueError, match="dim"):
+    DocIndex.load(path, expected_dim=384)
+
+
+def test_missing_index_and_bad_weights_are_clear(setup, tmp_path):
+  root, cfg, _ = setup
+  with pytest.raises(FileNotFoundError, match="No index in .*build one with experiments/build_index.py"):
+    build.load_built_index(cfg, str(tmp_path / "empty"))
+  bad = cfg.copy_and_resolve_references()
+  bad.weights = str(tmp_path / "nowhere")
+  with pytest.raises(FileNotFoundError, match="Retriever weights .*nowhere is not a directory"):
+    build.build_index(bad, str(tmp_path / "w"))
