@@ -62,3 +62,29 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[str], None]) -> N
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+
+
+def iter_jsonl(path: str, what: str = "file"):
+  """Yields (line number, parsed object) of a JSONL file, skipping blank lines.
+
+  Raises errors that name the file and line: unreadable file, invalid UTF-8, invalid JSON.
+  """
+  try:
+    f = open(path, "rb")
+  except FileNotFoundError:
+    raise FileNotFoundError(f"{what.capitalize()} {path} does not exist.") from None
+  except OSError as e:
+    raise OSError(f"Cannot read {what} {path}: {e.strerror}.") from None
+  with f:
+    for lineno, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}:{lineno}: not valid UTF-8 (byte {e.start}); convert the file to UTF-8.") from None
+      if not line.strip():
+        continue
+      try:
+        yield lineno, json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from None

@@ -2,30 +2,20 @@
 
 from __future__ import annotations
 
-import json
+from realm_jax.io_utils import iter_jsonl
 
 
 def load_qa_jsonl(path: str, limit: int | None = None) -> list[dict]:
   """Questions of a NQ-Open style JSONL file; errors name the file and line."""
   out = []
-  try:
-    f = open(path, encoding="utf-8")
-  except FileNotFoundError:
-    raise FileNotFoundError(f"Question file {path} does not exist.") from None
-  with f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        ex = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from None
-      answers = ex.get("answer")
-      if not isinstance(ex.get("question"), str) or not isinstance(answers, list) or not answers:
-        raise ValueError(f'{path}:{lineno}: expected {{"question": str, "answer": [str, ...]}}.')
-      out.append({"question": ex["question"], "answer": [str(a) for a in answers]})
-      if limit is not None and len(out) >= limit:
-        break
+  for lineno, ex in iter_jsonl(path, "question file"):
+    ok = (isinstance(ex, dict) and isinstance(ex.get("question"), str)
+          and isinstance(ex.get("answer"), list) and len(ex["answer"]) > 0)
+    if not ok:
+      raise ValueError(f'{path}:{lineno}: expected {{"question": str, "answer": [str, ...]}}.')
+    out.append({"question": ex["question"], "answer": [str(a) for a in ex["answer"]]})
+    if limit is not None and len(out) >= limit:
+      break
   if not out:
     raise ValueError(f"{path} holds no question.")
   return out

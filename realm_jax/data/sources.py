@@ -6,11 +6,11 @@ Every source yields `{"title": str, "text": str}` documents in a deterministic o
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Iterator, Sequence
 
 from realm_jax.data import wiki_vital
+from realm_jax.io_utils import iter_jsonl
 
 SOURCES = ("wiki_vital", "jsonl", "tfds_wikipedia")
 
@@ -41,31 +41,15 @@ def read_jsonl(path: str) -> Iterator[dict[str, str]]:
 
   Raises ValueError naming the file and line for invalid UTF-8, invalid JSON or a missing `text`.
   """
-  try:
-    f = open(path, "rb")
-  except OSError as e:
-    raise OSError(f"Cannot read corpus file {path}: {e.strerror}.") from None
-  with f:
-    for lineno, raw in enumerate(f, 1):
-      try:
-        line = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        raise ValueError(
-            f"{path}:{lineno}: not valid UTF-8 (byte {e.start}); convert the file to UTF-8.") from None
-      if not line.strip():
-        continue
-      try:
-        doc = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from None
-      if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
-        raise ValueError(
-            f'{path}:{lineno}: each line must be an object with a "text" string '
-            '(and optionally "title"), e.g. {"title": "Paris", "text": "Paris is ..."}.')
-      title = doc.get("title") or ""
-      if not isinstance(title, str):
-        raise ValueError(f'{path}:{lineno}: "title" must be a string.')
-      yield {"title": title.strip(), "text": doc["text"]}
+  for lineno, doc in iter_jsonl(path, "corpus file"):
+    if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
+      raise ValueError(
+          f'{path}:{lineno}: each line must be an object with a "text" string '
+          '(and optionally "title"), e.g. {"title": "Paris", "text": "Paris is ..."}.')
+    title = doc.get("title") or ""
+    if not isinstance(title, str):
+      raise ValueError(f'{path}:{lineno}: "title" must be a string.')
+    yield {"title": title.strip(), "text": doc["text"]}
 
 
 def documents(source: str, paths: Sequence[str] = (), tfds_name: str = "wikipedia/20230601.en",
