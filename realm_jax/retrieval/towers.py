@@ -15,8 +15,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from realm_jax.checkpoints import detect_kind, load_hf_checkpoint, load_minilm, read_state_dict
-from realm_jax.models import RealmEmbedder
+from realm_jax.checkpoints import detect_kind, from_hf_state_dict, load_minilm, read_state_dict
+from realm_jax.models import RealmConfig, RealmEmbedder
 from realm_jax.text import BertTokenizer
 
 Batch = dict[str, np.ndarray]
@@ -59,11 +59,12 @@ def load_tower(weights: str = "minilm", pooling: str | None = None, normalize: b
       raise FileNotFoundError(
           f"Retriever weights {weights} is not a directory: pass 'minilm' or a HF checkpoint "
           "directory (config.json + model.safetensors + vocab.txt).")
-    kind = detect_kind(read_state_dict(weights))
+    state = read_state_dict(weights)
+    kind = detect_kind(state)
     if kind not in ("bert", "embedder", "retriever"):
       raise ValueError(f"{weights} holds a {kind!r} model, not a retriever (embedder/scorer/BERT).")
-    config, loaded, _ = load_hf_checkpoint(weights, kind=kind)
-    config = config.replace(dtype=dtype)
+    config = RealmConfig.from_json_file(os.path.join(weights, "config.json")).replace(dtype=dtype)
+    loaded, _ = from_hf_state_dict(state, kind, config, source=weights)
     if kind == "bert":
       params, pooling = {"realm": loaded}, pooling or "mean"
     elif kind == "embedder":
