@@ -10,16 +10,21 @@ from realm_jax.data.qa import load_qa_jsonl
 from realm_jax.eval.retrieval import evaluate_retrieval
 from realm_jax.retrieval.embed import embed_corpus
 from realm_jax.retrieval.index import DocIndex, latest_index_dir, publish_index
-from realm_jax.retrieval.towers import load_tower
+from realm_jax.retrieval.towers import load_towers
 
 _AUTO = {"auto": None, "yes": True, "no": False}
 
 
-def _tower(config, which="document"):
+def towers_of(config):
+  """{"query": Tower, "document": Tower} of the configured weights (read once)."""
   if config.normalize not in _AUTO:
     raise ValueError(f"config.normalize={config.normalize!r}: use auto, yes or no.")
-  return load_tower(config.weights, None if config.pooling == "auto" else config.pooling,
-                    _AUTO[config.normalize], config.dtype, which)
+  return load_towers(config.weights, None if config.pooling == "auto" else config.pooling,
+                     _AUTO[config.normalize], config.dtype)
+
+
+def _tower(config, which="document"):
+  return towers_of(config)[which]
 
 
 def open_corpus(config, workdir: str, vocab_file: str) -> Corpus:
@@ -29,11 +34,11 @@ def open_corpus(config, workdir: str, vocab_file: str) -> Corpus:
       blocking=c.blocking, max_docs=c.max_docs or None, tfds_name=c.tfds_name))
 
 
-def build_index(config, workdir: str):
+def build_index(config, workdir: str, towers=None):
   """Corpus + weights -> `workdir/index/index-00000000` (published atomically). Returns
   (corpus, index, document tower). Every stage resumes: the corpus and finished embedding shards
-  are reused."""
-  tower = _tower(config, "document")
+  are reused. `towers`: already loaded `towers_of(config)`."""
+  tower = (towers or towers_of(config))["document"]
   corpus = open_corpus(config, workdir, tower.tokenizer.vocab_file)
   fingerprint = f"{corpus.fingerprint}-{tower.fingerprint}-{config.max_length}-{config.truncate}"
   emb = embed_corpus(corpus, tower.embed, tower.tokenizer,
@@ -63,10 +68,11 @@ def load_built_index(config, workdir: str):
 
 def build_and_evaluate(config, workdir: str) -> dict | None:
   """`build_index`, then recall@k on `config.eval.questions` when given."""
-  corpus, index, _ = build_index(config, workdir)
+  towers = towers_of(config)
+  corpus, index, _ = build_index(config, workdir, towers)
   if not config.eval.questions:
     return None
-  query_tower = _tower(config, "query")
+  query_tower = towers["query"]
   questions = load_qa_jsonl(config.eval.questions, config.eval.limit or None)
   result = evaluate_retrieval(query_tower, index, corpus, questions, tuple(config.eval.ks))
   line = " ".join(f"R@{k}={v:.1f}" for k, v in result["recall"].items())

@@ -30,8 +30,9 @@ def search(tower, index, corpus, questions: Sequence[str], k: int = 5):
 def run(workdir: str, questions: Sequence[str], k: int = 5, config=None):
   """Builds the index in `workdir` (reusing what is there) and prints the top-k titles."""
   config = config or build_index_configs.get_config("wiki_vital_minilm")
-  corpus, index, tower = build.build_index(config, workdir)
-  results = search(tower, index, corpus, questions, k)
+  towers = build.towers_of(config)
+  corpus, index, _ = build.build_index(config, workdir, towers)
+  results = search(towers["query"], index, corpus, questions, k)
   for question, hits in zip(questions, results):
     print(f"\nQ: {question}")
     for rank, (title, score) in enumerate(hits, 1):

@@ -37,23 +37,22 @@ def params_fingerprint(params, extra: str = "") -> str:
   return h.hexdigest()[:16]
 
 
-def load_tower(weights: str = "minilm", pooling: str | None = None, normalize: bool | None = None,
-               dtype: str = "float32", which: str = "document",
-               vocab_file: str | None = None) -> Tower:
-  """Loads one retriever tower.
+def load_towers(weights: str = "minilm", pooling: str | None = None,
+                normalize: bool | None = None, dtype: str = "float32",
+                vocab_file: str | None = None) -> dict[str, Tower]:
+  """Loads the retriever's towers, reading the weights once: {"query": Tower, "document": Tower}.
+
+  Both names give the same Tower unless the weights are a scorer with separate towers.
 
   Args:
     weights: "minilm" or a HF checkpoint directory.
     pooling: "mean" or "projected_cls"; default: mean for BERT weights, projected_cls for REALM.
     normalize: L2-normalise embeddings; default: True for mean pooling.
-    which: "document" or "query" (differs only for a scorer with separate towers).
     vocab_file: default: vocab.txt beside the weights.
   """
-  if which not in ("document", "query"):
-    raise ValueError(f"which={which!r}: use 'document' or 'query'.")
   if weights == "minilm":
     config, bert, vocab = load_minilm(dtype)
-    params, pooling = {"realm": bert}, pooling or "mean"
+    towers, pooling = {"document": {"realm": bert}}, pooling or "mean"
   else:
     if not os.path.isdir(weights):
       raise FileNotFoundError(
@@ -66,21 +65,37 @@ def load_tower(weights: str = "minilm", pooling: str | None = None, normalize: b
     config = RealmConfig.from_json_file(os.path.join(weights, "config.json")).replace(dtype=dtype)
     loaded, _ = from_hf_state_dict(state, kind, config, source=weights)
     if kind == "bert":
-      params, pooling = {"realm": loaded}, pooling or "mean"
+      towers, pooling = {"document": {"realm": loaded}}, pooling or "mean"
     elif kind == "embedder":
-      params, pooling = loaded, pooling or "projected_cls"
+      towers, pooling = {"document": loaded}, pooling or "projected_cls"
     else:
-      tower = "query_embedder" if which == "query" and "query_embedder" in loaded else "embedder"
-      params, pooling = loaded[tower], pooling or "projected_cls"
+      towers, pooling = {"document": loaded["embedder"]}, pooling or "projected_cls"
+      if "query_embedder" in loaded:
+        towers["query"] = loaded["query_embedder"]
     vocab = os.path.join(weights, "vocab.txt")
-  vocab = vocab_file or vocab
+  tokenizer = BertTokenizer(vocab_file or vocab)
   normalize = (pooling == "mean") if normalize is None else normalize
   model = RealmEmbedder(config, pooling=pooling, normalize=normalize)
-  if pooling == "mean":  # no pooler or projection in use: keep only the BERT trunk
-    params = {"realm": {k: v for k, v in params["realm"].items() if k != "pooler"}}
-  params = jax.device_put(params)
   fn = jax.jit(lambda p, b: model.apply({"params": p}, b["input_ids"], b["attention_mask"],
                                         b["token_type_ids"]))
   dim = config.hidden_size if pooling == "mean" else config.retriever_proj_size
-  fingerprint = params_fingerprint(params, f"{pooling}|{normalize}|{dtype}")
-  return Tower(BertTokenizer(vocab), lambda batch: fn(params, batch), fingerprint, dim)
+
+  def make(params) -> Tower:
+    if pooling == "mean":  # no pooler or projection in use: keep only the BERT trunk
+      params = {"realm": {k: v for k, v in params["realm"].items() if k != "pooler"}}
+    params = jax.device_put(params)
+    fingerprint = params_fingerprint(params, f"{pooling}|{normalize}|{dtype}")
+    return Tower(tokenizer, lambda batch: fn(params, batch), fingerprint, dim)
+
+  document = make(towers["document"])
+  query = make(towers["query"]) if "query" in towers else document
+  return {"query": query, "document": document}
+
+
+def load_tower(weights: str = "minilm", pooling: str | None = None, normalize: bool | None = None,
+               dtype: str = "float32", which: str = "document",
+               vocab_file: str | None = None) -> Tower:
+  """One tower of `load_towers`; `which` is "document" or "query"."""
+  if which not in ("document", "query"):
+    raise ValueError(f"which={which!r}: use 'document' or 'query'.")
+  return load_towers(weights, pooling, normalize, dtype, vocab_file)[which]
