@@ -75,6 +75,14 @@ class BertTokenizer:
       self._check(t, f"text #{i}")
     return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
+  def encode_batch_with_offsets(
+      self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """Word-piece ids of many texts, each piece with its character span [start, end) in its text."""
+    for i, t in enumerate(texts):
+      self._check(t, f"text #{i}")
+    return [(e.ids, e.offsets)
+            for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode(list(ids))
 
