@@ -1,0 +1,43 @@
+"""BERT's optimiser, as REALM used it: AdamW with linear warmup and linear decay, global-norm clip.
+
+Warmup is min(10k, max(100, steps / 10)) steps unless given; weight decay 0.01 skips biases and
+LayerNorm parameters (as BERT's `exclude_from_weight_decay`); eps 1e-6.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def default_warmup_steps(total_steps: int) -> int:
+  return min(10_000, max(100, total_steps // 10))
+
+
+def bert_schedule(learning_rate: float, total_steps: int,
+                  warmup_steps: int | None = None) -> optax.Schedule:
+  """0 -> learning_rate linearly over the warmup, then linearly to 0 at `total_steps`."""
+  if total_steps <= 0:
+    raise ValueError(f"total_steps={total_steps} must be positive.")
+  warmup = default_warmup_steps(total_steps) if warmup_steps is None else warmup_steps
+  warmup = min(warmup, total_steps)
+  return optax.join_schedules([
+      optax.linear_schedule(0.0, learning_rate, max(warmup, 1)),
+      optax.linear_schedule(learning_rate, 0.0, max(total_steps - warmup, 1))], [warmup])
+
+
+def decay_mask(params) -> dict:
+  """True for parameters that get weight decay: not biases, not LayerNorm scales."""
+  def decays(path, _):
+    names = [getattr(k, "key", str(k)) for k in path]
+    return not (names[-1] == "bias" or any("LayerNorm" in n or "layer_norm" in n for n in names))
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def bert_adamw(learning_rate: float, total_steps: int, warmup_steps: int | None = None,
+               weight_decay: float = 0.01, eps: float = 1e-6, b1: float = 0.9, b2: float = 0.999,
+               clip_norm: float = 1.0) -> optax.GradientTransformation:
+  schedule = bert_schedule(learning_rate, total_steps, warmup_steps)
+  return optax.chain(
+      optax.clip_by_global_norm(clip_norm),
+      optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))

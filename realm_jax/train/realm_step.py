@@ -1,0 +1,141 @@
+"""REALM's pre-training step: re-embed the query and its K candidates with the current weights,
+score them, and maximise the marginal log-likelihood of the masked tokens.
+
+The (stale) index only chose which K - 1 blocks are candidates (plus the null document at 0);
+p(z|x) here comes from fresh embeddings, so the gradient reaches both retriever towers.
+
+A batch (numpy on the host, sharded along B on device):
+  query       {input_ids, attention_mask, token_type_ids}  [B, Lq]   [CLS] x [SEP]
+  candidates  {input_ids, attention_mask, token_type_ids}  [B, K, Ld] [CLS] title [SEP] body [SEP]
+  joint       {input_ids, attention_mask, token_type_ids}  [B, K, Le] [CLS] x [SEP] body [SEP]
+  candidate_mask [B, K] (1 = a real candidate; the null document at 0 always is)
+  mlm_positions, mlm_targets [B, M] int32 and mlm_weights [B, M] float32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+from realm_jax.models.encoder import KnowledgeAugEncoder, marginal_mlm_loss
+from realm_jax.models.retriever import RealmRetriever, relevance_scores
+
+Array = jax.Array
+NEG_INF = -1e9  # masked-out candidates: exp(-1e9) is 0 in float32, and 0 * -1e9 stays finite
+
+
+class TrainState(train_state.TrainState):
+  """step, params {"retriever", "encoder"}, tx and opt_state (apply_fn unused)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RealmModels:
+  """The two modules of REALM pre-training and how their scores combine.
+
+  score_scale multiplies the relevance scores before the softmax over candidates: 1 for REALM's
+  projected [CLS] embeddings; ~20 for L2-normalised embeddings (cosine scores in [-1, 1] would
+  give a nearly uniform p(z|x)).
+  """
+  retriever: RealmRetriever
+  encoder: KnowledgeAugEncoder
+  score_scale: float = 1.0
+
+
+def _inputs(d):
+  return d["input_ids"], d["attention_mask"], d["token_type_ids"]
+
+
+def retriever_logits(params, batch, models: RealmModels, rngs=None) -> Array:
+  """Fresh relevance scores [B, K] of every candidate; masked candidates get -1e9."""
+  det = rngs is None
+  apply = lambda method, d, r: models.retriever.apply(
+      {"params": params["retriever"]}, *_inputs(d), det, method=method, rngs=r)
+  q = apply("embed_queries", batch["query"], None if det else {"dropout": rngs[0]})     # [B, D]
+  z = apply("embed_documents", batch["candidates"], None if det else {"dropout": rngs[1]})  # [B, K, D]
+  logits = models.score_scale * relevance_scores(q, z)
+  return jnp.where(batch["candidate_mask"] > 0, logits, NEG_INF)
+
+
+def realm_loss(params, batch, models: RealmModels, dropout_rng: Array | None = None):
+  """The marginal MLM loss and its statistics; dropout only when `dropout_rng` is given.
+
+  Returns:
+    (loss [], metrics) with metrics as sums over the batch (so that they average correctly over
+    devices and steps): see `summarize`.
+  """
+  rngs = None if dropout_rng is None else jax.random.split(dropout_rng, 3)
+  logits = retriever_logits(params, batch, models, None if rngs is None else rngs[:2])
+  mlm_logits = models.encoder.apply(
+      {"params": params["encoder"]}, *_inputs(batch["joint"]), batch["mlm_positions"],
+      rngs is None, rngs=None if rngs is None else {"dropout": rngs[2]})          # [B, K, M, V]
+  weights = batch["mlm_weights"].astype(jnp.float32)
+  loss, aux = marginal_mlm_loss(mlm_logits, batch["mlm_targets"], weights, logits)
+  return loss, _statistics(mlm_logits, batch, weights, aux)
+
+
+def _statistics(mlm_logits, batch, weights, aux) -> dict[str, Array]:
+  retr_logp = aux["retrieval_log_probs"]                                       # [B, K]
+  vocab_logp = jax.nn.log_softmax(mlm_logits.astype(jnp.float32), axis=-1)     # [B, K, M, V]
+  marginal_vocab = jax.nn.logsumexp(retr_logp[:, :, None, None] + vocab_logp, axis=1)  # [B, M, V]
+  targets = batch["mlm_targets"]
+  correct = (jnp.argmax(marginal_vocab, -1) == targets).astype(jnp.float32)
+  null_correct = (jnp.argmax(mlm_logits[:, 0], -1) == targets).astype(jnp.float32)
+  utility = aux["marginal_log_probs"] - aux["candidate_log_probs"][:, 0]      # [B, M]
+  p = jnp.exp(retr_logp)
+  entropy = -jnp.sum(jnp.where(p > 0, p * retr_logp, 0.0), axis=-1)           # [B]
+  return {
+      "tokens": jnp.sum(weights),
+      "loss_sum": -jnp.sum(aux["marginal_log_probs"] * weights),
+      "correct": jnp.sum(correct * weights),
+      "null_correct": jnp.sum(null_correct * weights),
+      "utility_sum": jnp.sum(utility * weights),
+      "entropy_sum": jnp.sum(entropy),
+      "null_prob_sum": jnp.sum(p[:, 0]),
+      "examples": jnp.asarray(targets.shape[0], jnp.float32),
+  }
+
+
+def summarize(sums: dict) -> dict[str, float]:
+  """Averages from summed statistics (one step's, or several added together)."""
+  tokens, examples = max(float(sums["tokens"]), 1.0), max(float(sums["examples"]), 1.0)
+  out = {
+      "loss": float(sums["loss_sum"]) / tokens,
+      "accuracy": float(sums["correct"]) / tokens,
+      "null_accuracy": float(sums["null_correct"]) / tokens,
+      "retrieval_utility": float(sums["utility_sum"]) / tokens,
+      "retrieval_entropy": float(sums["entropy_sum"]) / examples,
+      "null_doc_prob": float(sums["null_prob_sum"]) / examples,
+  }
+  for k in ("grad_norm", "learning_rate", "skipped"):
+    if k in sums:
+      out[k] = float(sums[k])
+  return out
+
+
+def train_step(state: TrainState, batch: dict, rng: Array, *,
+               models: RealmModels, dropout: bool = True) -> tuple[TrainState, dict]:
+  """One AdamW update on the marginal MLM loss; pure, so it jits with the state donated.
+
+  A step whose loss or gradient is not finite changes no parameter or optimiser moment (the step
+  counter still advances, so the data moves on) and reports `skipped` = 1.
+  """
+  dropout_rng = jax.random.fold_in(rng, state.step) if dropout else None
+  (loss, sums), grads = jax.value_and_grad(realm_loss, has_aux=True)(
+      state.params, batch, models, dropout_rng)
+  grad_norm = optax.tree.norm(grads)
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  state = state.replace(step=state.step + 1, params=keep(params, state.params),
+                        opt_state=keep(opt_state, state.opt_state))
+  return state, {**sums, "grad_norm": grad_norm, "skipped": 1.0 - finite.astype(jnp.float32)}
+
+
+def eval_step(params, batch: dict, *, models: RealmModels) -> dict:
+  """Summed statistics without dropout or update (held-out evaluation)."""
+  return realm_loss(params, batch, models)[1]
