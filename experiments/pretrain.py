@@ -1,0 +1,28 @@
+"""REALM pre-training: salient-span masked LM over a refreshed index, resuming from --workdir.
+
+  python experiments/pretrain.py --flagfile=experiments/flags/pretrain_demo.flags
+  python experiments/pretrain.py --config=realm_jax/configs/pretrain.py:tiny --workdir=work/tiny
+  python experiments/pretrain.py --config=realm_jax/configs/pretrain.py:paper --workdir=gs://... \
+      --config.retriever_weights=work/ict/export --config.encoder_weights=... --config.distributed=True
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from realm_jax.train import pretrain
+from realm_jax.train.pretrain import quiet_library_logs
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (realm_jax/configs/pretrain.py:<variant>).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: data, index, checkpoints, TensorBoard.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  quiet_library_logs()
+  pretrain.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

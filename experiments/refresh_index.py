@@ -1,0 +1,30 @@
+"""REALM's index builder: runs beside experiments/pretrain.py on the same --workdir, re-embeds the
+corpus with the newest checkpoint's document tower and publishes each index atomically.
+
+  python experiments/pretrain.py --flagfile=F --config.index.refresh=async &
+  python experiments/refresh_index.py --flagfile=F
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from realm_jax.train import refresher
+from realm_jax.train.pretrain import quiet_library_logs
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "The trainer's config (realm_jax/configs/pretrain.py:<variant>).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's work directory.")
+_POLL = flags.DEFINE_float("poll_seconds", 10.0, "How often to look for a new checkpoint.")
+_IDLE = flags.DEFINE_float("stop_after_idle_s", None, "Stop after this long without a new checkpoint (default: never).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  quiet_library_logs()
+  refresher.run_refresher(_CONFIG.value, _WORKDIR.value, poll_seconds=_POLL.value,
+                          stop_after_idle_s=_IDLE.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,118 @@
+"""REALM pre-training (experiments/pretrain.py).
+
+Variants (`--config=realm_jax/configs/pretrain.py:<variant>`):
+  demo   the embedded corpus (first 2,000 articles as blocks of <= 128 word pieces), both models
+         from the installed all-MiniLM-L6-v2, K = 4, on 2 CPU cores in under 10 minutes:
+           python experiments/pretrain.py --flagfile=experiments/flags/pretrain_demo.flags
+  tiny   random 2-layer models over 40 articles, for tests (seconds).
+  paper  REALM's settings: BERT-base towers and encoder (config.init='hf' with REALM/BERT weights),
+         batch 512, K = 8, 200k steps, lr 3e-5, query 96 / block 288 / joint 384 word pieces,
+         the full English Wikipedia as blocks (13.35M), index sharded over the devices of a pod
+         and refreshed asynchronously by experiments/refresh_index.py.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.variant = arg
+  c.init = "minilm"               # minilm | hf | random (see realm_jax/train/init.py)
+  c.retriever_weights = ""        # init=hf: HF REALM embedder/scorer directory (e.g. from ict.py)
+  c.encoder_weights = ""          # init=hf: HF REALM encoder or BERT directory
+  c.vocab_file = ""               # init=random (or a HF directory without vocab.txt)
+  c.model = ml_collections.ConfigDict()   # init=random: RealmConfig fields
+  c.num_layers = 0                # >0: keep only the first N transformer layers of the weights
+  c.pooling = "projected_cls"     # init=random only; minilm: mean, hf: projected_cls
+  c.normalize = False
+  c.share_embedders = True
+  c.score_scale = 1.0             # multiplies relevance scores (20 for L2-normalised MiniLM)
+  c.dtype = "float32"             # compute dtype: float32 | bfloat16
+
+  c.corpus = ml_collections.ConfigDict(dict(
+      source="wiki_vital", paths=(), block_length=288, blocking="sentences", max_docs=0,
+      tfds_name="wikipedia/20230601.en"))
+  c.data_dir = ""                 # corpus and examples (default: <workdir>/data)
+  c.tagger = "auto"               # salient spans: spacy | regex | auto
+  c.heldout_percent = 2
+
+  c.query_length = 96
+  c.max_masked = 10
+  c.doc_length = 288
+  c.joint_length = 384
+  c.num_candidates = 8            # K, the null document included
+
+  c.batch_size = 512              # global, over all devices and hosts
+  c.num_steps = 200_000
+  c.learning_rate = 3e-5
+  c.warmup_steps = -1             # -1: min(10k, max(100, steps / 10))
+  c.weight_decay = 0.01
+  c.clip_norm = 1.0
+  c.dropout = True
+  c.seed = 0
+  c.distributed = False           # jax.distributed.initialize() first (multi-host runs)
+
+  c.index = ml_collections.ConfigDict(dict(
+      searcher="exact", dtype="float32",
+      refresh="async",            # sync | async | none
+      refresh_every=500,          # sync: steps between refreshes
+      embed_batch_size=64))
+  c.log_every = 50
+  c.eval_every = 1000
+  c.eval_batches = 20
+  c.checkpoint_every = 1000
+  c.keep_checkpoints = 3
+  c.max_bad_steps = 10            # consecutive non-finite losses before the run stops
+
+  if arg == "demo":
+    c.num_layers = 2
+    c.dropout = False
+    c.corpus.max_docs = 2000
+    c.corpus.block_length = 64
+    c.score_scale = 20.0
+    c.query_length = 32
+    c.doc_length = 64
+    c.joint_length = 96
+    c.num_candidates = 4
+    c.batch_size = 8
+    c.num_steps = 300
+    c.learning_rate = 1e-4
+    c.warmup_steps = 30
+    c.index.refresh = "sync"
+    c.index.refresh_every = 100
+    c.log_every = 10
+    c.eval_every = 100
+    c.eval_batches = 8
+    c.checkpoint_every = 100
+  elif arg == "tiny":
+    c.init = "random"
+    c.model = ml_collections.ConfigDict(dict(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, retriever_proj_size=16))
+    c.corpus.max_docs = 40
+    c.corpus.block_length = 48
+    c.tagger = "regex"
+    c.heldout_percent = 30
+    c.query_length = 32
+    c.max_masked = 6
+    c.doc_length = 48
+    c.joint_length = 64
+    c.num_candidates = 4
+    c.batch_size = 8
+    c.num_steps = 6
+    c.learning_rate = 1e-3
+    c.warmup_steps = 2
+    c.index.refresh = "sync"
+    c.index.refresh_every = 3
+    c.log_every = 1
+    c.eval_every = 3
+    c.eval_batches = 1
+    c.checkpoint_every = 2
+    c.index.embed_batch_size = 16
+  elif arg == "paper":
+    c.init = "hf"
+    c.index.searcher = "exact"
+    c.index.dtype = "bfloat16"
+  else:
+    raise ValueError(f"Unknown pretrain config {arg!r}: use demo, tiny or paper.")
+  return c

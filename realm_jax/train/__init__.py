@@ -1,0 +1,1 @@
+"""Training: REALM pre-training (train step, candidates, index refresh, checkpoints) and ICT."""

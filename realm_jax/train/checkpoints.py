@@ -1,0 +1,59 @@
+"""Orbax checkpoints of a training run: the train state, the data iterator's position and a JSON
+record (index version, config) saved together, asynchronously, keeping the last N.
+
+A run resumes from its work directory by itself: `restore_latest` returns the newest complete
+step (orbax finalises a step by an atomic rename, so a run killed while saving leaves at worst an
+ignored temporary directory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import grain
+import grain.checkpoint  # noqa: F401
+import jax
+import orbax.checkpoint as ocp
+
+
+def checkpoint_manager(directory: str, keep: int = 3, asynchronous: bool = True,
+                       data: bool = True) -> ocp.CheckpointManager:
+  handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+  if data:
+    handlers["data"] = grain.checkpoint.CheckpointHandler()
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                         enable_async_checkpointing=asynchronous)
+  return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=handlers)
+
+
+def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, data_iterator=None,
+         force: bool = False) -> bool:
+  items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+  if data_iterator is not None:
+    items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+  return manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+
+def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None):
+  """(state, meta) of the newest checkpoint, restoring `data_iterator` in place; None if none.
+
+  `state` is a template with the shapes and shardings to restore into. A checkpoint made with
+  another model config is a clear error.
+  """
+  step = manager.latest_step()
+  if step is None:
+    return None
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
+  if data_iterator is not None:
+    items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+  try:
+    restored = manager.restore(step, args=ocp.args.Composite(**items))
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(
+        f"The checkpoint at {manager.directory}/{step} does not fit this run's model ({e}). It was "
+        "probably made with another config: use another --workdir, or the config it was made "
+        "with.") from e
+  logging.info("Restored step %d from %s", step, manager.directory)
+  return restored["state"], restored["meta"]

@@ -1,0 +1,116 @@
+"""The models and starting weights of a pre-training run, from its config.
+
+config.init:
+  minilm  both the retriever and the encoder start from the all-MiniLM-L6-v2 BERT installed from
+          the registry (mean pooling, L2-normalised, scores scaled by config.score_scale); the
+          MLM head (transform, bias) starts at random, its decoder tied to the word embeddings.
+  hf      config.retriever_weights: a HF REALM embedder/scorer directory (REALM's projected [CLS]),
+          e.g. the output of experiments/ict.py; config.encoder_weights: a HF REALM
+          knowledge-augmented encoder or a BERT directory (a BERT gets a fresh MLM head).
+  random  random weights of config.model (tests; the tiny config).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from realm_jax.checkpoints.hf import CheckpointError, detect_kind, load_hf_checkpoint, read_state_dict
+from realm_jax.models.config import RealmConfig
+from realm_jax.models.encoder import KnowledgeAugEncoder
+from realm_jax.models.retriever import RealmRetriever
+from realm_jax.train.realm_step import RealmModels
+
+INITS = ("minilm", "hf", "random")
+
+
+def _overlay(base: dict, loaded: dict, what: str) -> dict:
+  """`base` with every leaf that `loaded` has replaced; shapes must agree."""
+  flat, new = traverse_util.flatten_dict(base), traverse_util.flatten_dict(loaded)
+  for key, value in new.items():
+    if key not in flat:
+      continue  # e.g. a BERT pooler the model has no use for
+    if flat[key].shape != value.shape:
+      raise CheckpointError(f"{what}: parameter {'/'.join(key)} has shape {value.shape} in the "
+                            f"checkpoint but {flat[key].shape} in the model; the checkpoint was "
+                            "made for another model config.")
+    flat[key] = jnp.asarray(value, flat[key].dtype)
+  return traverse_util.unflatten_dict(flat)
+
+
+def _init(module, config: RealmConfig, rng, k: int = 2, length: int = 8):
+  ids = jnp.zeros((1, k, length), jnp.int32)
+  if isinstance(module, RealmRetriever):
+    q = dict(input_ids=ids[:, 0], attention_mask=ids[:, 0], token_type_ids=ids[:, 0])
+    return module.init(rng, q, dict(input_ids=ids, attention_mask=ids, token_type_ids=ids))["params"]
+  return module.init(rng, ids, ids, ids, jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
+  """(models, model config, vocab file) for `config.init`, without weights."""
+  if config.init not in INITS:
+    raise ValueError(f"config.init={config.init!r}: use one of {INITS}.")
+  if config.init == "minilm":
+    from realm_jax.checkpoints.minilm import load_minilm, minilm_dir
+    import os
+    model_config = RealmConfig.from_json_file(os.path.join(minilm_dir(), "config.json"))
+    vocab = os.path.join(minilm_dir(), "vocab.txt")
+    pooling, normalize = "mean", True
+  elif config.init == "hf":
+    import os
+    for name in ("retriever_weights", "encoder_weights"):
+      if not config.get(name):
+        raise ValueError(f"config.init='hf' needs config.{name}: a HF checkpoint directory.")
+    model_config = RealmConfig.from_json_file(os.path.join(config.retriever_weights, "config.json"))
+    vocab = os.path.join(config.retriever_weights, "vocab.txt")
+    if not os.path.exists(vocab):
+      vocab = config.get("vocab_file") or vocab
+    pooling, normalize = "projected_cls", False
+  else:
+    model_config = RealmConfig(**dict(config.model))
+    vocab = config.vocab_file
+    if not vocab:  # the uncased BERT vocabulary of the installed MiniLM package
+      import os
+      from realm_jax.checkpoints.minilm import minilm_dir
+      vocab = os.path.join(minilm_dir(), "vocab.txt")
+    pooling, normalize = config.get("pooling", "projected_cls"), config.get("normalize", False)
+  model_config = model_config.replace(dtype=config.dtype)
+  if config.num_layers:  # keep the first N layers of a pretrained BERT (small CPU demos)
+    if config.num_layers > model_config.num_hidden_layers:
+      raise ValueError(f"config.num_layers={config.num_layers} is more than the "
+                       f"{model_config.num_hidden_layers} layers of the weights.")
+    model_config = model_config.replace(num_hidden_layers=config.num_layers)
+  models = RealmModels(
+      RealmRetriever(model_config, share_embedders=config.share_embedders, pooling=pooling,
+                     normalize=normalize),
+      KnowledgeAugEncoder(model_config), float(config.score_scale))
+  return models, model_config, vocab
+
+
+def init_params(config, models: RealmModels, model_config: RealmConfig, rng) -> dict:
+  """Starting weights {"retriever", "encoder"} (float32, on the host)."""
+  r1, r2 = jax.random.split(rng)
+  params = {"retriever": _init(models.retriever, model_config, r1),
+            "encoder": _init(models.encoder, model_config, r2)}
+  if config.init == "minilm":
+    from realm_jax.checkpoints.minilm import load_minilm
+    _, bert, _ = load_minilm()
+    towers = ["embedder"] + ([] if config.share_embedders else ["query_embedder"])
+    for t in towers:
+      params["retriever"][t] = _overlay(params["retriever"][t], {"realm": bert}, "MiniLM")
+    params["encoder"] = _overlay(params["encoder"], {"realm": bert}, "MiniLM")
+  elif config.init == "hf":
+    _, retr, _ = load_hf_checkpoint(config.retriever_weights, config=model_config)
+    if "embedder" not in retr:  # an embedder checkpoint: both towers start from it
+      retr = {"embedder": retr}
+    if not config.share_embedders and "query_embedder" not in retr:
+      retr["query_embedder"] = retr["embedder"]
+    params["retriever"] = _overlay(params["retriever"], retr, config.retriever_weights)
+    kind = detect_kind(read_state_dict(config.encoder_weights).keys())
+    _, enc, _ = load_hf_checkpoint(config.encoder_weights, kind=kind, config=model_config,
+                                   strict=False)
+    params["encoder"] = _overlay(params["encoder"], enc if kind == "encoder" else {"realm": enc},
+                                 config.encoder_weights)
+  return jax.tree.map(lambda x: np.asarray(x, np.float32), params)

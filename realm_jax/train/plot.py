@@ -1,0 +1,52 @@
+"""Training curves from a run's `metrics.jsonl` as a PNG (matplotlib, from the `demo` extra)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from realm_jax.io_utils import atomic_write
+
+PANELS = (("loss", "marginal MLM loss"), ("accuracy", "masked-token accuracy"),
+          ("retrieval_utility", "retrieval utility (nats/token)"),
+          ("retrieval_entropy", "entropy of p(z|x)"))
+
+
+def read_metrics(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist: point at a run's work directory (it is "
+                            "written while training).")
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metrics(workdir: str, out_png: str | None = None) -> str:
+  """Plots train (thin) and held-out (dots) curves of `workdir/metrics.jsonl`; the accuracy panel
+  also shows the null-document-only accuracy. Returns the PNG's path."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  # A resumed run appends: keep the last record of each (split, step).
+  last = {(r["split"], r["step"]): r for r in rows}
+  fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
+  for ax, (key, title) in zip(axes, PANELS):
+    for split, style in (("train", dict(lw=1, alpha=0.8)), ("heldout", dict(marker="o", lw=2))):
+      pts = sorted((s, r[key]) for (sp, s), r in last.items() if sp == split and key in r)
+      if pts:
+        ax.plot(*zip(*pts), label=split, **style)
+      if key == "accuracy":
+        null = sorted((s, r["null_accuracy"]) for (sp, s), r in last.items() if sp == split)
+        if null:
+          ax.plot(*zip(*null), ls="--", label=f"{split}, null document only", **style)
+    if key == "retrieval_utility":
+      ax.axhline(0, color="grey", lw=0.5)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  out_png = out_png or os.path.join(workdir, "curves.png")
+  atomic_write(out_png, lambda p: fig.savefig(p, dpi=110, format="png"))
+  plt.close(fig)
+  return out_png

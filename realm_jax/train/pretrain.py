@@ -1,0 +1,329 @@
+"""REALM pre-training, end to end: `train_and_evaluate(config, workdir)`.
+
+    corpus blocks -> salient-span examples (once) -> grain batches
+      -> retrieve K-1 blocks from the current index (own block excluded) + the null document
+      -> jitted train step (re-embeds query and candidates, marginal MLM loss, AdamW)
+      -> metrics, TensorBoard, held-out evaluation, orbax checkpoints, index refresh.
+
+Everything lands in `workdir`: `data/` (corpus, examples), `index/` (published indexes),
+`checkpoints/` (state + data iterator + index version), `tb/` (TensorBoard), `metrics.jsonl`.
+Started again on the same workdir, a run resumes from its newest checkpoint by itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from realm_jax.data.corpus import Corpus, CorpusConfig
+from realm_jax.data.pretrain import build_examples, pretrain_batches, special_ids
+from realm_jax.io_utils import read_json, write_json
+from realm_jax.text import BertTokenizer
+from realm_jax.train import checkpoints
+from realm_jax.train.candidates import CandidateBuilder, make_batch
+from realm_jax.train.init import build_models, init_params
+from realm_jax.train.optimizer import bert_adamw, bert_schedule
+from realm_jax.train.realm_step import TrainState, eval_step, summarize, train_step
+from realm_jax.train.refresh import (REFRESH_MODES, AsyncIndexWatcher, DocumentEmbedder,
+                                     index_step, load_index, refresh)
+from realm_jax.retrieval.index import latest_index_dir
+
+# Settings that change the shapes of parameters or of the data: a workdir keeps its own.
+_FIXED = ("init", "model", "share_embedders", "corpus", "query_length", "max_masked", "tagger",
+          "heldout_percent")
+
+
+def maybe_initialize_distributed(enabled: bool) -> None:
+  """`jax.distributed.initialize()` for multi-host runs (TPU pods find their peers by themselves;
+  elsewhere set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)."""
+  if enabled and not jax.distributed.is_initialized():
+    jax.distributed.initialize()
+    logging.info("Process %d of %d, %d local / %d global devices", jax.process_index(),
+                 jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def _check_workdir_config(config, workdir: str) -> None:
+  path = os.path.join(workdir, "config.json")
+  current = json.loads(config.to_json())
+  if os.path.exists(path):
+    old = read_json(path)
+    diff = [k for k in _FIXED if old.get(k) != current.get(k)]
+    if diff:
+      raise ValueError(
+          f"{workdir} holds a run made with another config ({', '.join(diff)} differ: "
+          f"{[(k, old.get(k), current.get(k)) for k in diff]}). Resume it with the config it was "
+          "made with, or use a new --workdir.")
+  if jax.process_index() == 0:
+    write_json(path, current)
+
+
+def open_data(config, workdir: str, vocab_file: str):
+  """(corpus, tokenizer, examples dir), building what is missing."""
+  data_dir = config.data_dir or os.path.join(workdir, "data")
+  c = config.corpus
+  tokenizer = BertTokenizer(vocab_file)
+  corpus = Corpus.build(os.path.join(data_dir, "corpus"), CorpusConfig(
+      source=c.source, paths=tuple(c.paths), vocab_file=vocab_file, block_length=c.block_length,
+      blocking=c.blocking, max_docs=c.max_docs or None, tfds_name=c.tfds_name))
+  examples_dir = os.path.join(data_dir, f"examples-{corpus.fingerprint[:12]}")
+  build_examples(corpus, tokenizer, examples_dir, query_length=config.query_length,
+                 max_masked=config.max_masked, tagger=config.tagger,
+                 heldout_percent=config.heldout_percent)
+  return corpus, tokenizer, examples_dir
+
+
+class Trainer:
+  """The pieces of a run, set up once; `run()` trains to config.num_steps."""
+
+  def __init__(self, config, workdir: str):
+    if config.index.refresh not in REFRESH_MODES:
+      raise ValueError(f"config.index.refresh={config.index.refresh!r}: use one of {REFRESH_MODES}.")
+    if config.batch_size % jax.device_count():
+      raise ValueError(f"config.batch_size={config.batch_size} is not divisible by the "
+                       f"{jax.device_count()} devices: pick a multiple.")
+    self.config, self.workdir = config, workdir
+    os.makedirs(workdir, exist_ok=True)
+    _check_workdir_config(config, workdir)
+    self.models, self.model_config, vocab = build_models(config)
+    self.corpus, self.tokenizer, self.examples_dir = open_data(config, workdir, vocab)
+    tok = self.tokenizer
+    self.builder = CandidateBuilder(self.corpus, tok.cls_id, tok.sep_id, config.num_candidates,
+                                    config.doc_length, config.joint_length)
+    self.mesh = Mesh(np.array(jax.devices()), ("data",))
+    self.replicated = NamedSharding(self.mesh, P())
+    self.data_sharding = NamedSharding(self.mesh, P("data"))
+    self.host_batch = config.batch_size // jax.process_count()
+
+    warmup = None if config.warmup_steps < 0 else config.warmup_steps
+    self.schedule = bert_schedule(config.learning_rate, config.num_steps, warmup)
+    tx = bert_adamw(config.learning_rate, config.num_steps, warmup, config.weight_decay,
+                    clip_norm=config.clip_norm)
+    params = init_params(config, self.models, self.model_config, jax.random.key(config.seed))
+    self.state = jax.jit(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx),
+                         out_shardings=self.replicated)(params)
+    self.rng = jax.random.key(config.seed + 1)
+    self.step_fn = jax.jit(
+        functools.partial(train_step, models=self.models, dropout=config.dropout),
+        in_shardings=(self.replicated, self.data_sharding, self.replicated),
+        out_shardings=(self.replicated, self.replicated), donate_argnums=0)
+    self.eval_fn = jax.jit(functools.partial(eval_step, models=self.models),
+                           in_shardings=(self.replicated, self.data_sharding),
+                           out_shardings=self.replicated)
+    self._embed_q = jax.jit(lambda p, q: self.models.retriever.apply(
+        {"params": p}, q["input_ids"], q["attention_mask"], q["token_type_ids"],
+        method="embed_queries"), in_shardings=(self.replicated, self.data_sharding),
+        out_shardings=self.replicated)
+
+    self.manager = checkpoints.checkpoint_manager(os.path.join(workdir, "checkpoints"),
+                                                  config.keep_checkpoints)
+    self.train_iter = self._batches("train", config.seed)
+    self.index_root = os.path.join(workdir, "index")
+    self.index_options = dict(searcher=config.index.searcher, dtype=config.index.dtype,
+                              mesh=Mesh(np.array(jax.local_devices()), ("data",)))
+    self.embedder = DocumentEmbedder(self.models, self.corpus, tok, config.doc_length,
+                                     config.index.embed_batch_size)
+    self.index, self.index_path = None, None
+    self.watcher = None
+    self.writer = None
+    self.bad_steps = 0
+
+  # ---------------------------------------------------------------------------------- data
+  def _batches(self, split: str, seed: int, num_epochs=None):
+    tok = self.tokenizer
+    return pretrain_batches(
+        self.examples_dir, split, batch_size=self.host_batch, seed=seed,
+        query_length=self.config.query_length, max_masked=self.config.max_masked,
+        tokenizer_ids=special_ids(tok),
+        shard_index=jax.process_index(), shard_count=jax.process_count(), num_epochs=num_epochs)
+
+  def _global(self, host_batch: dict):
+    """Host-local numpy batch -> global arrays sharded along the batch over every device."""
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(self.data_sharding, x), host_batch)
+
+  def embed_queries(self, params, queries: dict) -> np.ndarray:
+    return np.asarray(self._embed_q(params["retriever"], self._global(queries)))
+
+  def step_batch(self, queries: dict) -> dict:
+    batch, _ = make_batch(self.index, self.corpus, self.builder,
+                          functools.partial(self.embed_queries, self.state.params), queries)
+    return self._global(batch)
+
+  # --------------------------------------------------------------------------------- index
+  def _set_index(self, index, path):
+    self.index, self.index_path = index, path
+    logging.info("Using index %s (step %d)", path, index_step(path))
+
+  def ensure_index(self, path: str | None):
+    """Loads the index a checkpoint names, else the newest published, else builds the first one
+    from the current weights (ICT, MiniLM or random)."""
+    dim = self.embedder_dim()
+    path = path if path and os.path.isdir(path) else latest_index_dir(self.index_root)
+    if path is not None and index_step(path) <= int(self.state.step):
+      self._set_index(load_index(path, self.corpus, dim, self.index_options), path)
+    else:
+      self._set_index(*refresh(self.index_root, self.embedder, self.state.params["retriever"],
+                               int(self.state.step), self.index_options))
+    if self.config.index.refresh == "async":
+      self.watcher = AsyncIndexWatcher(self.index_root, self.corpus, dim, self.index_options,
+                                       self.index_path)
+
+  def embedder_dim(self) -> int:
+    c = self.model_config
+    return c.hidden_size if self.models.retriever.pooling == "mean" else c.retriever_proj_size
+
+  def maybe_refresh(self, step: int):
+    mode = self.config.index.refresh
+    if mode == "sync" and step % self.config.index.refresh_every == 0 and index_step(
+        self.index_path) < step:
+      start = time.perf_counter()
+      self._set_index(*refresh(self.index_root, self.embedder, self.state.params["retriever"],
+                               step, self.index_options))
+      logging.info("Index refreshed at step %d in %.1f s", step, time.perf_counter() - start)
+    elif mode == "async":
+      got = self.watcher.poll()
+      if got is not None:
+        self._set_index(*got)
+
+  # ------------------------------------------------------------------------------ evaluate
+  def evaluate(self) -> dict[str, float]:
+    """Held-out sentences: masked-token accuracy with retrieval vs with the null document only,
+    retrieval utility, loss (no dropout)."""
+    it = self._batches("heldout", seed=0, num_epochs=1)
+    sums = None
+    for i, queries in enumerate(it):
+      if i >= self.config.eval_batches:
+        break
+      out = jax.device_get(self.eval_fn(self.state.params, self.step_batch(queries)))
+      sums = out if sums is None else jax.tree.map(np.add, sums, out)
+    return summarize(sums) if sums is not None else {}
+
+  # ---------------------------------------------------------------------------------- log
+  def log(self, step: int, metrics: dict[str, float], prefix: str):
+    if jax.process_index() != 0:
+      return
+    if self.writer is None:
+      from tensorboardX import SummaryWriter
+      self.writer = SummaryWriter(os.path.join(self.workdir, "tb"))
+    for k, v in metrics.items():
+      self.writer.add_scalar(f"{prefix}/{k}", v, step)
+    self.writer.flush()
+    with open(os.path.join(self.workdir, "metrics.jsonl"), "a") as f:
+      f.write(json.dumps({"step": step, "split": prefix, **metrics}) + "\n")
+
+  def save(self, step: int, force: bool = False):
+    checkpoints.save(self.manager, step, self.state,
+                     {"index_path": self.index_path, "step": step}, self.train_iter, force=force)
+
+  # ---------------------------------------------------------------------------------- run
+  def restore(self) -> None:
+    got = checkpoints.restore_latest(self.manager, self.state, self.train_iter)
+    meta = None
+    if got is not None:
+      self.state, meta = got
+    self.ensure_index(meta and meta.get("index_path"))
+
+  def run(self) -> dict[str, float]:
+    try:
+      return self._run()
+    finally:  # also on errors: let a checkpoint being written finish, so it is not lost
+      self.manager.wait_until_finished()
+      if self.watcher is not None:
+        self.watcher.close()
+      if self.writer is not None:
+        self.writer.close()
+
+  def _run(self) -> dict[str, float]:
+    from tqdm.auto import tqdm
+    c = self.config
+    self._batches("heldout", seed=0, num_epochs=1)  # fails now, not after training, if too small
+    self.restore()
+    start_step = int(self.state.step)
+    if start_step >= c.num_steps:
+      logging.info("Nothing to do: the run in %s is at step %d of %d.", self.workdir, start_step,
+                   c.num_steps)
+      return {}
+    sums, window_start, window_examples = None, time.perf_counter(), 0
+    last_eval: dict[str, float] = {}
+    bar = tqdm(total=c.num_steps, initial=start_step, desc="pre-training", unit="step",
+               disable=jax.process_index() != 0)
+    for step in range(start_step, c.num_steps):
+      self.maybe_refresh(step)
+      queries = next(self.train_iter)
+      batch = self.step_batch(queries)
+      self.state, out = self.step_fn(self.state, batch, self.rng)
+      out = jax.device_get(out)
+      if out["skipped"]:
+        self.bad_steps += 1
+        logging.warning("Step %d: non-finite loss or gradient; the update was skipped (%d in a row).",
+                        step, self.bad_steps)
+        if self.bad_steps >= c.max_bad_steps:
+          raise FloatingPointError(
+              f"{self.bad_steps} steps in a row had a non-finite loss (last at step {step}). "
+              f"The newest good checkpoint in {self.workdir}/checkpoints is kept; lower "
+              "config.learning_rate or check the data, then resume.")
+      else:
+        self.bad_steps = 0
+      sums = out if sums is None else jax.tree.map(np.add, sums, out)
+      window_examples += c.batch_size
+      done = step + 1
+      bar.update(1)
+      if done % c.log_every == 0 or done == c.num_steps:
+        elapsed = time.perf_counter() - window_start
+        n = c.log_every if done % c.log_every == 0 else done - start_step
+        metrics = summarize(sums)
+        metrics["grad_norm"] = float(sums["grad_norm"]) / n
+        metrics["skipped"] = float(sums["skipped"])
+        metrics.update(learning_rate=float(self.schedule(step)),
+                       index_staleness=float(done - 1 - index_step(self.index_path)),
+                       examples_per_s=window_examples / elapsed)
+        self.log(done, metrics, "train")
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}",
+                        utility=f"{metrics['retrieval_utility']:.3f}",
+                        ex_s=f"{metrics['examples_per_s']:.1f}")
+        sums, window_start, window_examples = None, time.perf_counter(), 0
+      if done % c.eval_every == 0 or done == c.num_steps:
+        last_eval = self.evaluate()
+        self.log(done, last_eval, "heldout")
+        logging.info("step %d held-out: %s", done, json.dumps(
+            {k: round(v, 4) for k, v in last_eval.items()}))
+      if done % c.checkpoint_every == 0 or done == c.num_steps:
+        self.save(done, force=done == c.num_steps)
+    bar.close()
+    return last_eval
+
+
+def train_and_evaluate(config, workdir: str) -> dict[str, float]:
+  """Pre-trains to config.num_steps (resuming from `workdir`); returns the last held-out metrics."""
+  maybe_initialize_distributed(config.distributed)
+  result = Trainer(config, workdir).run()
+  if jax.process_index() == 0:
+    try:
+      from realm_jax.train.plot import plot_metrics
+      logging.info("Training curves: %s", plot_metrics(workdir))
+    except ImportError:
+      logging.info("Install matplotlib (the demo extra) for a plot of the training curves.")
+  return result
+
+
+def quiet_library_logs() -> None:
+  """Drops the INFO chatter of orbax and grain (dozens of lines per checkpoint) from absl's log;
+  their warnings and errors still show."""
+  import logging as std_logging
+  from absl import logging as absl_logging
+
+  class _Filter(std_logging.Filter):
+    def filter(self, record):
+      noisy = any(f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("orbax", "grain"))
+      return record.levelno >= std_logging.WARNING or not noisy
+
+  absl_logging.get_absl_handler().addFilter(_Filter())

@@ -1,0 +1,68 @@
+"""The asynchronous index refresher (experiments/refresh_index.py), REALM's index-builder job.
+
+Runs beside a trainer on the same work directory: watches `workdir/checkpoints`, and for each
+checkpoint newer than the newest published index, restores only the retriever's weights,
+re-embeds the corpus with the document tower and publishes `workdir/index/index-<step>`
+atomically. The trainer (config.index.refresh = "async") swaps in each finished index between
+steps. A refresher killed mid-write leaves only an ignored temporary directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import orbax.checkpoint as ocp
+
+from realm_jax.retrieval.index import latest_index_dir
+from realm_jax.train.init import build_models
+from realm_jax.train.pretrain import open_data
+from realm_jax.train.refresh import DocumentEmbedder, index_step, refresh
+
+
+def read_retriever_params(checkpoint_dir: str, step: int) -> dict:
+  """The retriever parameters of checkpoint `step` (host numpy), without the rest of the state."""
+  path = os.path.join(os.path.abspath(checkpoint_dir), str(step), "state")
+  restored = ocp.StandardCheckpointer().restore(path)
+  try:
+    return restored["params"]["retriever"]
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"{path} holds no params/retriever: not a pre-training checkpoint.") from e
+
+
+def run_refresher(config, workdir: str, *, poll_seconds: float = 10.0,
+                  max_refreshes: int | None = None, stop_after_idle_s: float | None = None) -> int:
+  """Publishes an index for each new checkpoint; returns how many it published.
+
+  Stops after `max_refreshes` indexes, or after `stop_after_idle_s` seconds without a new
+  checkpoint (None: runs until killed, like REALM's index builder).
+  """
+  models, _, vocab = build_models(config)
+  corpus, tokenizer, _ = open_data(config, workdir, vocab)
+  embedder = DocumentEmbedder(models, corpus, tokenizer, config.doc_length,
+                              config.index.embed_batch_size)
+  root = os.path.join(workdir, "index")
+  options = dict(searcher=config.index.searcher, dtype=config.index.dtype)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  published, idle_since, manager = 0, time.monotonic(), None
+  while max_refreshes is None or published < max_refreshes:
+    if manager is None and os.path.isdir(ckpt_dir):
+      manager = ocp.CheckpointManager(os.path.abspath(ckpt_dir),
+                                      options=ocp.CheckpointManagerOptions(read_only=True))
+    if manager is not None:
+      manager.reload()  # only finalised checkpoints count: a half-written one is invisible
+    newest = None if manager is None else manager.latest_step()
+    if newest is not None and newest > index_step(latest_index_dir(root)):
+      start = time.perf_counter()
+      params = read_retriever_params(ckpt_dir, newest)
+      _, path = refresh(root, embedder, params, newest, options)
+      published += 1
+      idle_since = time.monotonic()
+      logging.info("Published %s (checkpoint step %d) in %.1f s", path, newest,
+                   time.perf_counter() - start)
+      continue
+    if stop_after_idle_s is not None and time.monotonic() - idle_since > stop_after_idle_s:
+      break
+    time.sleep(poll_seconds)
+  return published

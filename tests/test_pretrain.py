@@ -1,0 +1,172 @@
+"""Pre-training end to end on the tiny config: a run killed with SIGKILL and resumed ends with
+bit-identical parameters; the async refresher's interrupted writes are never loaded; bad input."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+try:  # the tiny config reads the embedded corpus and the MiniLM vocabulary (the demo extra)
+  from realm_jax.checkpoints.minilm import minilm_dir
+  from realm_jax.data.wiki_vital import summaries_path
+  summaries_path(), minilm_dir()
+except Exception as e:  # noqa: BLE001
+  pytest.skip(f"needs the demo extra: {e}", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "--config=realm_jax/configs/pretrain.py:tiny"
+
+
+def run(workdir, data_dir, *extra, wait=True):
+  cmd = [sys.executable, "experiments/pretrain.py", CONFIG, f"--workdir={workdir}",
+         f"--config.data_dir={data_dir}", *extra]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  if not wait:
+    return proc
+  out, _ = proc.communicate(timeout=600)
+  return proc.returncode, out
+
+
+def final_params(workdir, step):
+  import orbax.checkpoint as ocp
+  import jax
+  state = ocp.StandardCheckpointer().restore(os.path.join(workdir, "checkpoints", str(step), "state"))
+  return jax.tree_util.tree_leaves_with_path(state["params"])
+
+
+def logged_steps(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data_dir):
+  workdir = str(tmp_path_factory.mktemp("straight"))
+  code, out = run(workdir, data_dir)
+  assert code == 0, out[-3000:]
+  return workdir
+
+
+def test_killed_run_resumes_to_bit_identical_parameters(tmp_path, data_dir, uninterrupted):
+  workdir = str(tmp_path / "killed")
+  kill_after = random.Random().randint(1, 5)  # a random step of the 6
+  proc = run(workdir, data_dir, wait=False)
+  deadline = time.time() + 300
+  while not any(s >= kill_after for s in logged_steps(workdir)):
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    assert time.time() < deadline
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert max(logged_steps(workdir)) < 6, "the run finished before it was killed"
+  code, out = run(workdir, data_dir)
+  assert code == 0, out[-3000:]
+  assert "Restored step" in out or kill_after < 2  # checkpoints every 2 steps
+  got, want = final_params(workdir, 6), final_params(uninterrupted, 6)
+  assert [p for p, _ in got] == [p for p, _ in want]
+  for (path, a), (_, b) in zip(got, want):
+    np.testing.assert_array_equal(a, b, err_msg=f"{path} (killed after step {kill_after})")
+
+
+def test_finished_run_does_nothing_and_other_config_is_refused(data_dir, uninterrupted):
+  code, out = run(uninterrupted, data_dir)
+  assert code == 0 and "Nothing to do" in out
+  code, out = run(uninterrupted, data_dir, "--config.max_masked=5")
+  assert code != 0 and "another config" in out and "max_masked" in out
+
+
+def test_unknown_flag_is_refused(tmp_path, data_dir):
+  code, out = run(str(tmp_path / "w"), data_dir, "--config.no_such_setting=1")
+  assert code != 0 and "no_such_setting" in out
+
+
+def test_interrupted_index_write_is_never_loaded(tmp_path, data_dir, uninterrupted):
+  """What a refresher killed while writing leaves (a temporary directory, and an index directory
+  without its arrays) is skipped: the watcher keeps the last complete index and says why not."""
+  import shutil
+  from realm_jax.retrieval.index import latest_index_dir
+  root = str(tmp_path / "index")
+  shutil.copytree(os.path.join(uninterrupted, "index"), root)
+  complete = latest_index_dir(root)
+  os.remove(os.path.join(root, "LATEST"))
+  partial = os.path.join(root, ".tmp-index-00000099-abc")
+  os.makedirs(partial)
+  with open(os.path.join(partial, "index.safetensors"), "wb") as f:
+    f.write(b"\0" * 100)
+  half = os.path.join(root, "index-00000098")
+  shutil.copytree(complete, half)
+  os.remove(os.path.join(half, "index.safetensors"))
+  assert latest_index_dir(root) == complete
+
+
+def test_refresher_killed_midway_then_trainer_picks_up_complete_indexes(tmp_path, data_dir,
+                                                                         uninterrupted):
+  """The real thing: kill the refresher process at a random moment, check no partial index is
+  visible, then let it finish and check the published index matches the checkpoint's weights."""
+  import shutil
+  from realm_jax.retrieval.index import latest_index_dir, read_manifest
+  workdir = str(tmp_path / "w")
+  shutil.copytree(uninterrupted, workdir)
+  shutil.rmtree(os.path.join(workdir, "index"))
+  cmd = [sys.executable, "experiments/refresh_index.py", CONFIG, f"--workdir={workdir}",
+         f"--config.data_dir={data_dir}", "--poll_seconds=0.1", "--stop_after_idle_s=1"]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  time.sleep(random.uniform(3, 8))
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  found = latest_index_dir(os.path.join(workdir, "index"))
+  if found is not None:  # it got as far as publishing: then the index is whole
+    assert read_manifest(found)["count"] > 0
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  found = latest_index_dir(os.path.join(workdir, "index"))
+  assert found is not None and found.endswith("index-00000006")
+
+
+def test_watcher_keeps_the_current_index_when_a_new_one_is_corrupt(tmp_path, data_dir,
+                                                                   uninterrupted, caplog):
+  """An index directory that looks complete but whose arrays are damaged: the trainer's watcher
+  logs that it cannot load it and keeps training on the current one."""
+  import shutil
+  from realm_jax.configs.pretrain import get_config
+  from realm_jax.train.pretrain import open_data
+  from realm_jax.train.init import build_models
+  from realm_jax.train.refresh import AsyncIndexWatcher
+  config = get_config("tiny")
+  config.data_dir = data_dir
+  _, _, vocab = build_models(config)
+  corpus, _, _ = open_data(config, str(tmp_path), vocab)
+  root = str(tmp_path / "index")
+  shutil.copytree(os.path.join(uninterrupted, "index"), root)
+  from realm_jax.retrieval.index import latest_index_dir
+  current = latest_index_dir(root)
+  bad = os.path.join(root, "index-00000009")
+  shutil.copytree(current, bad)
+  with open(os.path.join(bad, "index.safetensors"), "r+b") as f:
+    f.truncate(50)
+  with open(os.path.join(root, "LATEST"), "w") as f:  # published, as far as LATEST says
+    json.dump({"directory": "index-00000009", "step": 9}, f)
+  watcher = AsyncIndexWatcher(root, corpus, 16, {}, current)
+  got = watcher.poll()
+  deadline = time.time() + 60
+  while got is None and watcher._pending is not None and time.time() < deadline:
+    time.sleep(0.05)
+    got = watcher.poll()
+  assert got is None and watcher.current_path == current
+  assert "Could not load the index" in caplog.text and "index-00000009" in caplog.text
+  assert watcher.poll() is None and watcher._pending is None  # not retried in a loop
+  watcher.close()
