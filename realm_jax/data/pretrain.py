@@ -220,7 +220,7 @@ def compare_taggers(sentences: Sequence[str]) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_heldout(block_id: int, heldout_percent: float) -> bool:
+def is_heldout(block_id: int, heldout_percent: float) -> bool:
   digest = hashlib.sha256(f"realm-heldout:{block_id}".encode()).digest()
   return int.from_bytes(digest[:8], "big") % 10_000 < round(heldout_percent * 100)
 
@@ -320,7 +320,7 @@ def build_examples(corpus, tokenizer: BertTokenizer, out_dir: str, *, query_leng
           sents = []  # (row, block id, split, (text, ids, offsets))
           for row, block, body in zip(rows, blocks, bodies):
             bid = int(block["block_id"])
-            split = "heldout" if _is_heldout(bid, heldout_percent) else "train"
+            split = "heldout" if is_heldout(bid, heldout_percent) else "train"
             stats["blocks_" + split] += 1
             sents += [(row, bid, split, s) for s in _sentences(block, body, tokenizer)]
           spans = salient_spans([s[3][0] for s in sents], settings["tagger"])

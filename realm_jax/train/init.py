@@ -12,6 +12,8 @@ config.init:
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +28,7 @@ from realm_jax.train.realm_step import RealmModels
 INITS = ("minilm", "hf", "random")
 
 
-def _overlay(base: dict, loaded: dict, what: str) -> dict:
+def overlay(base: dict, loaded: dict, what: str) -> dict:
   """`base` with every leaf that `loaded` has replaced; shapes must agree."""
   flat, new = traverse_util.flatten_dict(base), traverse_util.flatten_dict(loaded)
   for key, value in new.items():
@@ -41,11 +43,15 @@ def _overlay(base: dict, loaded: dict, what: str) -> dict:
 
 
 def _init(module, config: RealmConfig, rng, k: int = 2, length: int = 8):
+  """Random parameters of `module` (jitted: op-by-op init of a BERT takes seconds)."""
+  del config
   ids = jnp.zeros((1, k, length), jnp.int32)
   if isinstance(module, RealmRetriever):
     q = dict(input_ids=ids[:, 0], attention_mask=ids[:, 0], token_type_ids=ids[:, 0])
-    return module.init(rng, q, dict(input_ids=ids, attention_mask=ids, token_type_ids=ids))["params"]
-  return module.init(rng, ids, ids, ids, jnp.zeros((1, 1), jnp.int32))["params"]
+    init = lambda r: module.init(r, q, dict(input_ids=ids, attention_mask=ids, token_type_ids=ids))
+  else:
+    init = lambda r: module.init(r, ids, ids, ids, jnp.zeros((1, 1), jnp.int32))
+  return jax.jit(init)(rng)["params"]
 
 
 def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
@@ -99,18 +105,22 @@ def init_params(config, models: RealmModels, model_config: RealmConfig, rng) -> 
     _, bert, _ = load_minilm()
     towers = ["embedder"] + ([] if config.share_embedders else ["query_embedder"])
     for t in towers:
-      params["retriever"][t] = _overlay(params["retriever"][t], {"realm": bert}, "MiniLM")
-    params["encoder"] = _overlay(params["encoder"], {"realm": bert}, "MiniLM")
+      params["retriever"][t] = overlay(params["retriever"][t], {"realm": bert}, "MiniLM")
+    params["encoder"] = overlay(params["encoder"], {"realm": bert}, "MiniLM")
   elif config.init == "hf":
     _, retr, _ = load_hf_checkpoint(config.retriever_weights, config=model_config)
     if "embedder" not in retr:  # an embedder checkpoint: both towers start from it
       retr = {"embedder": retr}
+    if config.share_embedders and "query_embedder" in retr:
+      logging.warning("%s has a separate query tower (e.g. from ICT), but share_embedders=True "
+                      "uses only its document tower; set --config.share_embedders=False to keep "
+                      "both.", config.retriever_weights)
     if not config.share_embedders and "query_embedder" not in retr:
       retr["query_embedder"] = retr["embedder"]
-    params["retriever"] = _overlay(params["retriever"], retr, config.retriever_weights)
+    params["retriever"] = overlay(params["retriever"], retr, config.retriever_weights)
     kind = detect_kind(read_state_dict(config.encoder_weights).keys())
     _, enc, _ = load_hf_checkpoint(config.encoder_weights, kind=kind, config=model_config,
                                    strict=False)
-    params["encoder"] = _overlay(params["encoder"], enc if kind == "encoder" else {"realm": enc},
+    params["encoder"] = overlay(params["encoder"], enc if kind == "encoder" else {"realm": enc},
                                  config.encoder_weights)
   return jax.tree.map(lambda x: np.asarray(x, np.float32), params)

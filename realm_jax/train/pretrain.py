@@ -38,7 +38,7 @@ from realm_jax.train.refresh import (REFRESH_MODES, AsyncIndexWatcher, DocumentE
 from realm_jax.retrieval.index import latest_index_dir
 
 # Settings that change the shapes of parameters or of the data: a workdir keeps its own.
-_FIXED = ("init", "model", "share_embedders", "corpus", "query_length", "max_masked", "tagger",
+_FIXED = ("init", "model", "num_layers", "share_embedders", "corpus", "query_length", "max_masked", "tagger",
           "heldout_percent")
 
 
@@ -51,7 +51,7 @@ def maybe_initialize_distributed(enabled: bool) -> None:
                  jax.process_count(), jax.local_device_count(), jax.device_count())
 
 
-def _check_workdir_config(config, workdir: str) -> None:
+def check_workdir_config(config, workdir: str) -> None:
   path = os.path.join(workdir, "config.json")
   current = json.loads(config.to_json())
   if os.path.exists(path):
@@ -92,7 +92,7 @@ class Trainer:
                        f"{jax.device_count()} devices: pick a multiple.")
     self.config, self.workdir = config, workdir
     os.makedirs(workdir, exist_ok=True)
-    _check_workdir_config(config, workdir)
+    check_workdir_config(config, workdir)
     self.models, self.model_config, vocab = build_models(config)
     self.corpus, self.tokenizer, self.examples_dir = open_data(config, workdir, vocab)
     tok = self.tokenizer
@@ -151,7 +151,10 @@ class Trainer:
         lambda x: jax.make_array_from_process_local_data(self.data_sharding, x), host_batch)
 
   def embed_queries(self, params, queries: dict) -> np.ndarray:
-    return np.asarray(self._embed_q(params["retriever"], self._global(queries)))
+    """This host's queries [host batch, D], embedded with the current query tower."""
+    emb = np.asarray(self._embed_q(params["retriever"], self._global(queries)))  # all hosts' rows
+    lo = jax.process_index() * self.host_batch  # hosts' rows are laid out in process order
+    return emb[lo:lo + self.host_batch]
 
   def step_batch(self, queries: dict) -> dict:
     batch, _ = make_batch(self.index, self.corpus, self.builder,

@@ -1,0 +1,468 @@
+"""ICT warm start (Inverse Cloze Task, ORQA): `train_and_evaluate(config, workdir)`.
+
+    corpus blocks -> (sentence, block without that sentence) pairs, sampled afresh each epoch
+      -> jitted step: query tower on sentences [B, D], document tower on blocks [B, D]
+         -> logits [B, B] over the GLOBAL batch (each query against every block of every device)
+         -> softmax cross-entropy with the diagonal as labels, AdamW
+      -> metrics, TensorBoard, held-out evaluation, orbax checkpoints (state + data iterator)
+      -> `workdir/export/`: a HF REALM scorer directory (config.json, model.safetensors with
+         `embedder` and `query_embedder`, vocab.txt) that build_index.py and pre-training
+         (`init='hf'`, `retriever_weights=<export>`) read.
+
+The query is a random sentence of a block; 90% of the time (`remove_prob`) it is cut out of the
+block, so the retriever must learn more than word overlap. Blocks of one sentence are skipped.
+Started again on the same workdir, a run resumes from its newest checkpoint by itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import shutil
+import time
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from realm_jax.checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
+from realm_jax.data.corpus import Corpus
+from realm_jax.data.pretrain import is_heldout
+from realm_jax.io_utils import atomic_write_dir
+from realm_jax.models.config import RealmConfig
+from realm_jax.models.retriever import RealmRetriever
+from realm_jax.retrieval.build import open_corpus
+from realm_jax.text import BertTokenizer, join_bert
+from realm_jax.train import checkpoints
+from realm_jax.train.init import overlay
+from realm_jax.train.optimizer import bert_adamw, bert_schedule
+from realm_jax.train.pretrain import check_workdir_config, maybe_initialize_distributed
+from realm_jax.train.realm_step import TrainState
+
+Array = jax.Array
+INITS = ("minilm", "bert", "random")
+SPLITS = ("train", "heldout")
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+
+def block_sentences(block: dict) -> list[np.ndarray]:
+  """The non-empty sentences of a corpus block, as word-piece id arrays, in order."""
+  ids = np.asarray(block["token_ids"], np.int32)
+  bounds = [int(s) for s in block["sentence_starts"]] + [len(ids)]
+  return [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+@dataclasses.dataclass(frozen=True)
+class ICTExamples:
+  """grain random map: corpus row -> ICT pair, or None (block of one sentence, or other split).
+
+  The pair: `query` = `[CLS] sentence [SEP]` ([Lq]), `document` = `[CLS] title [SEP] body [SEP]`
+  ([Ld], `[CLS] body [SEP]` without a title) whose body lacks that sentence with probability
+  `remove_prob`; both as {input_ids, attention_mask, token_type_ids} int32. The sentence and the
+  removal are drawn from `rng`, grain's per-element generator, so a seed fixes every example.
+  """
+  corpus: Corpus
+  split: str
+  heldout_percent: float
+  query_length: int
+  doc_length: int
+  remove_prob: float
+  cls_id: int
+  sep_id: int
+  pad_id: int
+
+  def __call__(self, row: int, rng: np.random.Generator) -> dict | None:
+    if is_heldout(int(self.corpus.block_ids[row]), self.heldout_percent) != (
+        self.split == "heldout"):
+      return None
+    block = self.corpus[row]
+    sentences = block_sentences(block)
+    if len(sentences) < 2:
+      return None
+    pick = int(rng.integers(len(sentences)))
+    removed = bool(rng.random() < self.remove_prob)
+    query = [int(t) for t in sentences[pick][:self.query_length - 2]]
+    body = [int(t) for i, s in enumerate(sentences) if not (removed and i == pick) for t in s]
+    title = [int(t) for t in block["title_token_ids"]]
+    # "longest" cuts the body first, and a title only when it alone overflows the budget.
+    join = functools.partial(join_bert, max_length=self.doc_length, cls_id=self.cls_id,
+                             sep_id=self.sep_id, pad_id=self.pad_id, truncate="longest")
+    return {"query": join_bert(query, None, self.query_length, self.cls_id, self.sep_id,
+                               self.pad_id),
+            "document": join(title, body) if title else join(body, None),
+            "block_row": np.int64(row),
+            "removed": np.int32(removed)}
+
+
+def ict_batches(corpus: Corpus, split: str, *, batch_size: int, seed: int, query_length: int,
+                doc_length: int, remove_prob: float, tokenizer: BertTokenizer,
+                heldout_percent: float = 0, shard_index: int = 0, shard_count: int = 1,
+                num_epochs: int | None = None, read_options=None):
+  """A checkpointable iterator of ICT batches of one split (this host's shard of the rows).
+
+  Args:
+    corpus: blocks with `title_token_ids`, `token_ids`, `sentence_starts` (realm_jax Corpus).
+    split: "train" or "heldout" (a block is held out when its id hashes into `heldout_percent`
+      percent, as in pre-training).
+    batch_size: pairs per batch (per host); the last partial batch is dropped.
+    seed: shuffling (new order each epoch), sentence choice and removal; same seed, same batches.
+    query_length, doc_length: word pieces of `[CLS] sentence [SEP]` / `[CLS] title [SEP] body [SEP]`.
+    remove_prob: probability that the query sentence is cut out of its block (ORQA: 0.9).
+    shard_index, shard_count: this host takes rows shard_index, shard_index + shard_count, ...
+    num_epochs: None repeats forever.
+    read_options: grain.ReadOptions (default: 2 threads, 8 batches prefetched).
+  Returns:
+    grain DatasetIterator of {"query": {input_ids, attention_mask, token_type_ids} [B, Lq],
+    "document": the same [B, Ld], "block_row" [B] int64, "removed" [B] int32}.
+    `get_state()` is JSON-serialisable; `set_state` on a fresh iterator resumes exactly.
+  Raises:
+    ValueError for settings out of range, or when the first rows of the shard hold no block of
+    two or more sentences (a corpus of single-sentence blocks would never yield a batch).
+  """
+  if split not in SPLITS:
+    raise ValueError(f"split={split!r}: use one of {SPLITS}.")
+  if not 0 <= remove_prob <= 1 or query_length < 3 or doc_length < 4:
+    raise ValueError(f"remove_prob={remove_prob} (0..1), query_length={query_length} (>= 3) or "
+                     f"doc_length={doc_length} (>= 4) is out of range.")
+  if not 0 <= shard_index < shard_count:
+    raise ValueError(f"shard_index={shard_index} must be in [0, shard_count={shard_count}).")
+  if not 0 <= seed < 2**32:
+    raise ValueError(f"seed={seed} must be in [0, 2**32).")
+  ds = grain.MapDataset.range(len(corpus))[shard_index::shard_count]
+  if not 1 <= batch_size <= len(ds):
+    raise ValueError(f"batch_size={batch_size} must be between 1 and the {len(ds)} blocks of shard "
+                     f"{shard_index}/{shard_count} of the corpus in {corpus.data_dir}.")
+  probe = [ds[i] for i in range(min(len(ds), 2000))]
+  if not any(len(block_sentences(corpus[r])) >= 2 for r in probe):
+    raise ValueError(
+        f"None of the first {len(probe)} blocks of the corpus in {corpus.data_dir} has two "
+        "sentences: ICT takes a sentence out of a block. Build the corpus with "
+        "blocking='sentences' and a larger block_length.")
+  examples = ICTExamples(corpus, split, heldout_percent, query_length, doc_length, remove_prob,
+                         tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id)
+  pick_seed = int(np.random.SeedSequence([seed, 2]).generate_state(1)[0])
+  ds = ds.shuffle(seed=seed).repeat(num_epochs).random_map(examples, seed=pick_seed)
+  read_options = read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
+  # None (skipped blocks) drops out when the map dataset becomes an iterable one.
+  return iter(ds.to_iter_dataset(read_options).batch(batch_size, drop_remainder=True))
+
+# ---------------------------------------------------------------------------------------------
+# Model and starting weights
+# ---------------------------------------------------------------------------------------------
+
+
+def build_retriever(config) -> tuple[RealmRetriever, RealmConfig, str]:
+  """(separate-tower retriever with REALM's projected [CLS], its config, vocab file).
+
+  config.init: "minilm" (the installed all-MiniLM-L6-v2), "bert" (config.bert_weights, a HF BERT
+  directory with config.json, model.safetensors, vocab.txt) or "random" (config.model).
+  """
+  if config.init not in INITS:
+    raise ValueError(f"config.init={config.init!r}: use one of {INITS}.")
+  from realm_jax.checkpoints.minilm import minilm_dir
+  if config.init == "minilm":
+    model_config = RealmConfig.from_json_file(os.path.join(minilm_dir(), "config.json"))
+    vocab = os.path.join(minilm_dir(), "vocab.txt")
+  elif config.init == "bert":
+    if not config.bert_weights:
+      raise ValueError("config.init='bert' needs config.bert_weights: a HF BERT directory "
+                       "(config.json, model.safetensors, vocab.txt).")
+    model_config = RealmConfig.from_json_file(os.path.join(config.bert_weights, "config.json"))
+    vocab = config.vocab_file or os.path.join(config.bert_weights, "vocab.txt")
+  else:
+    model_config = RealmConfig(**dict(config.model))
+    vocab = config.vocab_file or os.path.join(minilm_dir(), "vocab.txt")
+  model_config = model_config.replace(dtype=config.dtype)
+  if config.num_layers:  # keep the first N layers of a pretrained BERT (small CPU demos)
+    if config.num_layers > model_config.num_hidden_layers:
+      raise ValueError(f"config.num_layers={config.num_layers} is more than the "
+                       f"{model_config.num_hidden_layers} layers of the weights.")
+    model_config = model_config.replace(num_hidden_layers=config.num_layers)
+  return (RealmRetriever(model_config, share_embedders=False, pooling="projected_cls"),
+          model_config, vocab)
+
+
+def init_params(config, model: RealmRetriever, model_config: RealmConfig, rng) -> dict:
+  """{"embedder", "query_embedder"} (float32, on the host): both towers' BERT from the weights of
+  config.init, the pooler (when the weights lack one) and the projection at random."""
+  ids = jnp.zeros((1, 8), jnp.int32)
+  q = dict(input_ids=ids, attention_mask=ids, token_type_ids=ids)
+  # One compiled program rather than hundreds of eagerly compiled ops.
+  params = jax.jit(model.init)(rng, q, {k: v[:, None] for k, v in q.items()})["params"]
+  bert = None
+  if config.init == "minilm":
+    from realm_jax.checkpoints.minilm import load_minilm
+    _, bert, _ = load_minilm()
+  elif config.init == "bert":
+    _, bert, _ = load_hf_checkpoint(config.bert_weights, kind="bert", config=model_config,
+                                    strict=False)
+  if bert is not None:
+    params = {t: overlay(p, {"realm": bert}, config.init) for t, p in params.items()}
+  return jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+
+# ---------------------------------------------------------------------------------------------
+# Loss and step
+# ---------------------------------------------------------------------------------------------
+
+
+def _embed(params, model: RealmRetriever, inputs: dict, method: str, rng) -> Array:
+  return model.apply({"params": params}, inputs["input_ids"], inputs["attention_mask"],
+                     inputs["token_type_ids"], rng is None, method=method,
+                     rngs=None if rng is None else {"dropout": rng})
+
+
+def in_batch_metrics(logits: Array) -> tuple[Array, dict[str, Array]]:
+  """Softmax cross-entropy of logits [B, B] with label i for row i, and its retrieval metrics.
+
+  Returns (loss [], {loss, accuracy (argmax == i), mean_rank (1 = best), recall_at_5}), means
+  over the B queries.
+  """
+  logits = logits.astype(jnp.float32)
+  b = logits.shape[0]
+  labels = jnp.arange(b)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  positive = jnp.diagonal(logits)                                           # [B]
+  rank = 1 + jnp.sum(logits > positive[:, None], axis=-1)                   # [B]
+  return loss, {"loss": loss,
+                "accuracy": jnp.mean(jnp.argmax(logits, axis=-1) == labels),
+                "mean_rank": jnp.mean(rank.astype(jnp.float32)),
+                "recall_at_5": jnp.mean(rank <= 5)}
+
+
+def ict_loss(params, batch: dict, model: RealmRetriever, dropout_rng: Array | None = None):
+  """In-batch softmax loss of a batch {"query" [B, Lq], "document" [B, Ld]}: (loss, metrics).
+
+  Under jit with the batch sharded over devices, B is the global batch: the [B, B] logits pair
+  every query with the documents of every device (XLA gathers the [B, D] embeddings), which is
+  ORQA's "negatives gathered across cores".
+  """
+  rq, rd = (None, None) if dropout_rng is None else jax.random.split(dropout_rng)
+  q = _embed(params, model, batch["query"], "embed_queries", rq)           # [B, D]
+  d = _embed(params, model, batch["document"], "embed_documents", rd)      # [B, D]
+  return in_batch_metrics(jnp.einsum("qd,kd->qk", q, d))                   # [B, B]
+
+
+def ict_step(state: TrainState, batch: dict, rng: Array, *, model: RealmRetriever,
+             dropout: bool = True) -> tuple[TrainState, dict]:
+  """One AdamW update on the ICT loss; pure, so it jits with the state donated.
+
+  A step whose loss or gradient is not finite changes no parameter or optimiser moment (the step
+  counter still advances) and reports `skipped` = 1.
+  """
+  dropout_rng = jax.random.fold_in(rng, state.step) if dropout else None
+  (loss, metrics), grads = jax.value_and_grad(ict_loss, has_aux=True)(
+      state.params, batch, model, dropout_rng)
+  grad_norm = optax.tree.norm(grads)
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  state = state.replace(step=state.step + 1, params=keep(params, state.params),
+                        opt_state=keep(opt_state, state.opt_state))
+  return state, {**metrics, "grad_norm": grad_norm, "skipped": 1.0 - finite.astype(jnp.float32)}
+
+
+def eval_step(params, batch: dict, *, model: RealmRetriever) -> dict:
+  """In-batch metrics without dropout or update."""
+  return ict_loss(params, batch, model)[1]
+
+
+def jit_steps(model: RealmRetriever, mesh: Mesh, dropout: bool = True):
+  """(train step, eval step) jitted for `mesh`: state replicated and donated, batch split over
+  the mesh's "data" axis."""
+  replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  train = jax.jit(functools.partial(ict_step, model=model, dropout=dropout),
+                  in_shardings=(replicated, data, replicated),
+                  out_shardings=(replicated, replicated), donate_argnums=0)
+  evaluate = jax.jit(functools.partial(eval_step, model=model),
+                     in_shardings=(replicated, data), out_shardings=replicated)
+  return train, evaluate
+
+
+def export_retriever(directory: str, model_config: RealmConfig, params, vocab_file: str) -> None:
+  """Writes `directory` as a HF REALM scorer (config.json, model.safetensors with `embedder` and
+  `query_embedder`, vocab.txt), atomically: readers see the old directory or the new one."""
+  params = jax.device_get(params)
+
+  def write(tmp: str):
+    save_hf_checkpoint(tmp, model_config, params, kind="retriever")
+    shutil.copyfile(vocab_file, os.path.join(tmp, "vocab.txt"))
+
+  atomic_write_dir(directory, write)
+  logging.info("Exported the ICT retriever to %s", directory)
+
+# ---------------------------------------------------------------------------------------------
+# Training loop
+# ---------------------------------------------------------------------------------------------
+
+
+class ICTTrainer:
+  """The pieces of an ICT run, set up once; `run()` trains to config.num_steps and exports."""
+
+  def __init__(self, config, workdir: str):
+    if config.batch_size % jax.device_count():
+      raise ValueError(f"config.batch_size={config.batch_size} is not divisible by the "
+                       f"{jax.device_count()} devices: pick a multiple.")
+    self.config, self.workdir = config, workdir
+    self.export_dir = config.export_dir or os.path.join(workdir, "export")
+    os.makedirs(workdir, exist_ok=True)
+    check_workdir_config(config, workdir)
+    self.model, self.model_config, self.vocab_file = build_retriever(config)
+    self.tokenizer = BertTokenizer(self.vocab_file)
+    self.corpus = open_corpus(config, config.data_dir or os.path.join(workdir, "data"),
+                              self.vocab_file)
+    self.mesh = Mesh(np.array(jax.devices()), ("data",))
+    self.data_sharding = NamedSharding(self.mesh, P("data"))
+    self.host_batch = config.batch_size // jax.process_count()
+
+    warmup = None if config.warmup_steps < 0 else config.warmup_steps
+    self.schedule = bert_schedule(config.learning_rate, config.num_steps, warmup)
+    tx = bert_adamw(config.learning_rate, config.num_steps, warmup, config.weight_decay,
+                    clip_norm=config.clip_norm)
+    params = init_params(config, self.model, self.model_config, jax.random.key(config.seed))
+    self.state = jax.jit(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx),
+                         out_shardings=NamedSharding(self.mesh, P()))(params)
+    self.rng = jax.random.key(config.seed + 1)
+    self.step_fn, self.eval_fn = jit_steps(self.model, self.mesh, config.dropout)
+    self.manager = checkpoints.checkpoint_manager(os.path.join(workdir, "checkpoints"),
+                                                  config.keep_checkpoints)
+    self.train_iter = self._batches("train", config.seed)
+    self.writer = None
+    self.bad_steps = 0
+
+  def _batches(self, split: str, seed: int, num_epochs=None):
+    c = self.config
+    return ict_batches(
+        self.corpus, split, batch_size=self.host_batch, seed=seed, query_length=c.query_length,
+        doc_length=c.doc_length, remove_prob=c.remove_prob, tokenizer=self.tokenizer,
+        heldout_percent=c.heldout_percent, shard_index=jax.process_index(),
+        shard_count=jax.process_count(), num_epochs=num_epochs)
+
+  def _global(self, host_batch: dict) -> dict:
+    """Host-local numpy pairs -> global arrays split along the batch over every device."""
+    pairs = {k: host_batch[k] for k in ("query", "document")}
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(self.data_sharding, x), pairs)
+
+  def evaluate(self) -> dict[str, float]:
+    """Mean in-batch metrics (no dropout) over the first config.eval_batches held-out batches:
+    the same pairs at every evaluation (fixed seed, remove_prob as in training)."""
+    sums, n = None, 0
+    for i, batch in enumerate(self._batches("heldout", seed=0, num_epochs=1)):
+      if i >= self.config.eval_batches:
+        break
+      out = jax.device_get(self.eval_fn(self.state.params, self._global(batch)))
+      sums = out if sums is None else jax.tree.map(np.add, sums, out)
+      n += 1
+    if n == 0:
+      raise ValueError(
+          f"The held-out blocks of {self.corpus.data_dir} do not fill one batch of "
+          f"{self.host_batch}: raise config.heldout_percent, lower config.batch_size, or set "
+          "config.eval_every=0.")
+    return {k: float(v) / n for k, v in sums.items()}
+
+  def log(self, step: int, metrics: dict[str, float], prefix: str):
+    if jax.process_index() != 0:
+      return
+    if self.writer is None:
+      from tensorboardX import SummaryWriter
+      self.writer = SummaryWriter(os.path.join(self.workdir, "tb"))
+    for k, v in metrics.items():
+      self.writer.add_scalar(f"{prefix}/{k}", v, step)
+    self.writer.flush()
+    with open(os.path.join(self.workdir, "metrics.jsonl"), "a") as f:
+      f.write(json.dumps({"step": step, "split": prefix, **metrics}) + "\n")
+
+  def restore(self) -> None:
+    got = checkpoints.restore_latest(self.manager, self.state, self.train_iter)
+    if got is not None:
+      self.state = got[0]
+
+  def export(self) -> None:
+    if jax.process_index() == 0:
+      export_retriever(self.export_dir, self.model_config, self.state.params, self.vocab_file)
+
+  def run(self) -> dict[str, float]:
+    try:
+      return self._run()
+    finally:  # also on errors: let a checkpoint being written finish, so it is not lost
+      self.manager.wait_until_finished()
+      if self.writer is not None:
+        self.writer.close()
+
+  def _run(self) -> dict[str, float]:
+    from tqdm.auto import tqdm
+    c = self.config
+    self.restore()
+    start_step = int(self.state.step)
+    if start_step >= c.num_steps:
+      logging.info("Nothing to do: the run in %s is at step %d of %d.", self.workdir, start_step,
+                   c.num_steps)
+      if not os.path.isdir(self.export_dir):
+        self.export()
+      return {}
+    last_eval: dict[str, float] = {}
+    if c.eval_every and start_step == 0:  # the starting point, to compare with
+      last_eval = self.evaluate()
+      self.log(0, last_eval, "heldout")
+      logging.info("step 0 held-out: %s", json.dumps({k: round(v, 4) for k, v in last_eval.items()}))
+    sums, window_time, window_steps = None, 0.0, 0
+    bar = tqdm(total=c.num_steps, initial=start_step, desc="ICT", unit="step",
+               disable=jax.process_index() != 0)
+    for step in range(start_step, c.num_steps):
+      start = time.perf_counter()  # data + step: evaluation and checkpoints are not counted
+      batch = self._global(next(self.train_iter))
+      self.state, out = self.step_fn(self.state, batch, self.rng)
+      out = jax.device_get(out)
+      window_time += time.perf_counter() - start
+      if out["skipped"]:
+        self.bad_steps += 1
+        logging.warning("Step %d: non-finite loss or gradient; the update was skipped (%d in a row).",
+                        step, self.bad_steps)
+        if self.bad_steps >= c.max_bad_steps:
+          raise FloatingPointError(
+              f"{self.bad_steps} steps in a row had a non-finite loss (last at step {step}). "
+              f"The newest good checkpoint in {self.workdir}/checkpoints is kept; lower "
+              "config.learning_rate or check the data, then resume.")
+      else:
+        self.bad_steps = 0
+      sums = out if sums is None else jax.tree.map(np.add, sums, out)
+      window_steps += 1
+      done = step + 1
+      bar.update(1)
+      if done % c.log_every == 0 or done == c.num_steps:
+        metrics = {k: float(v) / window_steps for k, v in sums.items() if k != "skipped"}
+        metrics.update(skipped=float(sums["skipped"]), learning_rate=float(self.schedule(step)),
+                       examples_per_s=window_steps * c.batch_size / window_time)
+        self.log(done, metrics, "train")
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}",
+                        ex_s=f"{metrics['examples_per_s']:.1f}")
+        sums, window_time, window_steps = None, 0.0, 0
+      if c.eval_every and (done % c.eval_every == 0 or done == c.num_steps):
+        last_eval = self.evaluate()
+        self.log(done, last_eval, "heldout")
+        logging.info("step %d held-out: %s", done, json.dumps(
+            {k: round(v, 4) for k, v in last_eval.items()}))
+      if done % c.checkpoint_every == 0 or done == c.num_steps:
+        checkpoints.save(self.manager, done, self.state, {"step": done}, self.train_iter,
+                         force=done == c.num_steps)
+    bar.close()
+    self.export()
+    return last_eval
+
+
+def train_and_evaluate(config, workdir: str) -> dict[str, float]:
+  """ICT to config.num_steps (resuming from `workdir`), then the export; returns the last
+  held-out metrics."""
+  maybe_initialize_distributed(config.distributed)
+  return ICTTrainer(config, workdir).run()
