@@ -10,6 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
   """Calls `write(tmp_path)` on a temporary file beside `path`, then renames it to `path`."""
   path = os.fspath(path)
@@ -19,6 +25,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
   os.close(fd)
   try:
     write(tmp)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):

@@ -161,8 +161,8 @@ def test_heldout_blocks_are_not_training_blocks(setup, regex_examples):
   assert not {r["block_id"] for r in train} & {r["block_id"] for r in heldout}
   assert not {r["block_row"] for r in train} & {r["block_row"] for r in heldout}
   assert sum(manifest["blocks"].values()) == len(setup[1])
-  assert all(pretrain._is_heldout(r["block_id"], 25) for r in heldout)
-  assert not any(pretrain._is_heldout(r["block_id"], 25) for r in train)
+  assert all(pretrain.is_heldout(r["block_id"], 25) for r in heldout)
+  assert not any(pretrain.is_heldout(r["block_id"], 25) for r in train)
 
 
 def test_batches_mask_one_span(setup, regex_examples):

@@ -81,8 +81,9 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     c.index.refresh = "sync"
     c.index.refresh_every = 100
     c.log_every = 10
+    c.heldout_percent = 10      # ~240 held-out sentences: enough masked tokens to compare
     c.eval_every = 100
-    c.eval_batches = 8
+    c.eval_batches = 40         # all of them
     c.checkpoint_every = 100
   elif arg == "tiny":
     c.init = "random"

@@ -74,7 +74,8 @@ def open_data(config, workdir: str, vocab_file: str):
   corpus = Corpus.build(os.path.join(data_dir, "corpus"), CorpusConfig(
       source=c.source, paths=tuple(c.paths), vocab_file=vocab_file, block_length=c.block_length,
       blocking=c.blocking, max_docs=c.max_docs or None, tfds_name=c.tfds_name))
-  examples_dir = os.path.join(data_dir, f"examples-{corpus.fingerprint[:12]}")
+  settings = f"{config.query_length}-{config.max_masked}-{config.tagger}-{config.heldout_percent}"
+  examples_dir = os.path.join(data_dir, f"examples-{corpus.fingerprint[:12]}-{settings}")
   build_examples(corpus, tokenizer, examples_dir, query_length=config.query_length,
                  max_masked=config.max_masked, tagger=config.tagger,
                  heldout_percent=config.heldout_percent)
