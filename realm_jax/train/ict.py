@@ -41,10 +41,11 @@ from realm_jax.models.retriever import RealmRetriever
 from realm_jax.retrieval.build import open_corpus
 from realm_jax.text import BertTokenizer, join_bert
 from realm_jax.train import checkpoints
-from realm_jax.train.init import overlay
+from realm_jax.train.init import overlay, sized_model_config
 from realm_jax.train.optimizer import bert_adamw, bert_schedule
-from realm_jax.train.pretrain import check_workdir_config, maybe_initialize_distributed
-from realm_jax.train.realm_step import TrainState
+from realm_jax.train.pretrain import (check_workdir_config, count_bad_steps,
+                                      maybe_initialize_distributed)
+from realm_jax.train.realm_step import TrainState, guarded_update
 
 Array = jax.Array
 INITS = ("minilm", "bert", "random")
@@ -182,12 +183,7 @@ def build_retriever(config) -> tuple[RealmRetriever, RealmConfig, str]:
   else:
     model_config = RealmConfig(**dict(config.model))
     vocab = config.vocab_file or os.path.join(minilm_dir(), "vocab.txt")
-  model_config = model_config.replace(dtype=config.dtype)
-  if config.num_layers:  # keep the first N layers of a pretrained BERT (small CPU demos)
-    if config.num_layers > model_config.num_hidden_layers:
-      raise ValueError(f"config.num_layers={config.num_layers} is more than the "
-                       f"{model_config.num_hidden_layers} layers of the weights.")
-    model_config = model_config.replace(num_hidden_layers=config.num_layers)
+  model_config = sized_model_config(config, model_config)
   return (RealmRetriever(model_config, share_embedders=False, pooling="projected_cls"),
           model_config, vocab)
 
@@ -262,14 +258,8 @@ def ict_step(state: TrainState, batch: dict, rng: Array, *, model: RealmRetrieve
   dropout_rng = jax.random.fold_in(rng, state.step) if dropout else None
   (loss, metrics), grads = jax.value_and_grad(ict_loss, has_aux=True)(
       state.params, batch, model, dropout_rng)
-  grad_norm = optax.tree.norm(grads)
-  updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-  state = state.replace(step=state.step + 1, params=keep(params, state.params),
-                        opt_state=keep(opt_state, state.opt_state))
-  return state, {**metrics, "grad_norm": grad_norm, "skipped": 1.0 - finite.astype(jnp.float32)}
+  state, stats = guarded_update(state, loss, grads)
+  return state, {**metrics, **stats}
 
 
 def eval_step(params, batch: dict, *, model: RealmRetriever) -> dict:
@@ -425,17 +415,8 @@ class ICTTrainer:
       self.state, out = self.step_fn(self.state, batch, self.rng)
       out = jax.device_get(out)
       window_time += time.perf_counter() - start
-      if out["skipped"]:
-        self.bad_steps += 1
-        logging.warning("Step %d: non-finite loss or gradient; the update was skipped (%d in a row).",
-                        step, self.bad_steps)
-        if self.bad_steps >= c.max_bad_steps:
-          raise FloatingPointError(
-              f"{self.bad_steps} steps in a row had a non-finite loss (last at step {step}). "
-              f"The newest good checkpoint in {self.workdir}/checkpoints is kept; lower "
-              "config.learning_rate or check the data, then resume.")
-      else:
-        self.bad_steps = 0
+      self.bad_steps = count_bad_steps(self.bad_steps, out["skipped"], step, c.max_bad_steps,
+                                       self.workdir)
       sums = out if sums is None else jax.tree.map(np.add, sums, out)
       window_steps += 1
       done = step + 1

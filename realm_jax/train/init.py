@@ -13,12 +13,14 @@ config.init:
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from realm_jax.checkpoints.minilm import load_minilm, minilm_dir
 from realm_jax.checkpoints.hf import CheckpointError, detect_kind, load_hf_checkpoint, read_state_dict
 from realm_jax.models.config import RealmConfig
 from realm_jax.models.encoder import KnowledgeAugEncoder
@@ -54,18 +56,27 @@ def _init(module, config: RealmConfig, rng, k: int = 2, length: int = 8):
   return jax.jit(init)(rng)["params"]
 
 
+def sized_model_config(config, model_config: RealmConfig) -> RealmConfig:
+  """`model_config` with the run's compute dtype and, if config.num_layers > 0, only the first
+  num_layers transformer layers of the weights (small CPU demos)."""
+  model_config = model_config.replace(dtype=config.dtype)
+  if config.num_layers:
+    if config.num_layers > model_config.num_hidden_layers:
+      raise ValueError(f"config.num_layers={config.num_layers} is more than the "
+                       f"{model_config.num_hidden_layers} layers of the weights.")
+    model_config = model_config.replace(num_hidden_layers=config.num_layers)
+  return model_config
+
+
 def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
   """(models, model config, vocab file) for `config.init`, without weights."""
   if config.init not in INITS:
     raise ValueError(f"config.init={config.init!r}: use one of {INITS}.")
   if config.init == "minilm":
-    from realm_jax.checkpoints.minilm import load_minilm, minilm_dir
-    import os
     model_config = RealmConfig.from_json_file(os.path.join(minilm_dir(), "config.json"))
     vocab = os.path.join(minilm_dir(), "vocab.txt")
     pooling, normalize = "mean", True
   elif config.init == "hf":
-    import os
     for name in ("retriever_weights", "encoder_weights"):
       if not config.get(name):
         raise ValueError(f"config.init='hf' needs config.{name}: a HF checkpoint directory.")
@@ -78,16 +89,9 @@ def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
     model_config = RealmConfig(**dict(config.model))
     vocab = config.vocab_file
     if not vocab:  # the uncased BERT vocabulary of the installed MiniLM package
-      import os
-      from realm_jax.checkpoints.minilm import minilm_dir
       vocab = os.path.join(minilm_dir(), "vocab.txt")
     pooling, normalize = config.get("pooling", "projected_cls"), config.get("normalize", False)
-  model_config = model_config.replace(dtype=config.dtype)
-  if config.num_layers:  # keep the first N layers of a pretrained BERT (small CPU demos)
-    if config.num_layers > model_config.num_hidden_layers:
-      raise ValueError(f"config.num_layers={config.num_layers} is more than the "
-                       f"{model_config.num_hidden_layers} layers of the weights.")
-    model_config = model_config.replace(num_hidden_layers=config.num_layers)
+  model_config = sized_model_config(config, model_config)
   models = RealmModels(
       RealmRetriever(model_config, share_embedders=config.share_embedders, pooling=pooling,
                      normalize=normalize),
@@ -101,7 +105,6 @@ def init_params(config, models: RealmModels, model_config: RealmConfig, rng) -> 
   params = {"retriever": _init(models.retriever, model_config, r1),
             "encoder": _init(models.encoder, model_config, r2)}
   if config.init == "minilm":
-    from realm_jax.checkpoints.minilm import load_minilm
     _, bert, _ = load_minilm()
     towers = ["embedder"] + ([] if config.share_embedders else ["query_embedder"])
     for t in towers:

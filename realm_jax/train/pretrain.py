@@ -19,7 +19,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -80,6 +79,23 @@ def open_data(config, workdir: str, vocab_file: str):
                  max_masked=config.max_masked, tagger=config.tagger,
                  heldout_percent=config.heldout_percent)
   return corpus, tokenizer, examples_dir
+
+
+def count_bad_steps(bad_steps: int, skipped: float, step: int, max_bad_steps: int,
+                    workdir: str) -> int:
+  """The count of consecutive skipped (non-finite) steps after this one; logs each, and stops the
+  run with a clear error at `max_bad_steps` (the newest good checkpoint stays in `workdir`)."""
+  if not skipped:
+    return 0
+  bad_steps += 1
+  logging.warning("Step %d: non-finite loss or gradient; the update was skipped (%d in a row).",
+                  step, bad_steps)
+  if bad_steps >= max_bad_steps:
+    raise FloatingPointError(
+        f"{bad_steps} steps in a row had a non-finite loss (last at step {step}). The newest good "
+        f"checkpoint in {workdir}/checkpoints is kept; lower config.learning_rate or check the "
+        "data, then resume.")
+  return bad_steps
 
 
 class Trainer:
@@ -266,17 +282,8 @@ class Trainer:
       batch = self.step_batch(queries)
       self.state, out = self.step_fn(self.state, batch, self.rng)
       out = jax.device_get(out)
-      if out["skipped"]:
-        self.bad_steps += 1
-        logging.warning("Step %d: non-finite loss or gradient; the update was skipped (%d in a row).",
-                        step, self.bad_steps)
-        if self.bad_steps >= c.max_bad_steps:
-          raise FloatingPointError(
-              f"{self.bad_steps} steps in a row had a non-finite loss (last at step {step}). "
-              f"The newest good checkpoint in {self.workdir}/checkpoints is kept; lower "
-              "config.learning_rate or check the data, then resume.")
-      else:
-        self.bad_steps = 0
+      self.bad_steps = count_bad_steps(self.bad_steps, out["skipped"], step, c.max_bad_steps,
+                                       self.workdir)
       sums = out if sums is None else jax.tree.map(np.add, sums, out)
       window_examples += c.batch_size
       done = step + 1

@@ -126,6 +126,15 @@ def train_step(state: TrainState, batch: dict, rng: Array, *,
   dropout_rng = jax.random.fold_in(rng, state.step) if dropout else None
   (loss, sums), grads = jax.value_and_grad(realm_loss, has_aux=True)(
       state.params, batch, models, dropout_rng)
+  state, stats = guarded_update(state, loss, grads)
+  return state, {**sums, **stats}
+
+
+def guarded_update(state: TrainState, loss: Array, grads) -> tuple[TrainState, dict]:
+  """Applies `grads` unless the loss or gradient is not finite; the step counter advances anyway.
+
+  Returns (state, {"grad_norm", "skipped"}) with skipped = 1.0 for a step that changed nothing.
+  """
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -133,7 +142,7 @@ def train_step(state: TrainState, batch: dict, rng: Array, *,
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   state = state.replace(step=state.step + 1, params=keep(params, state.params),
                         opt_state=keep(opt_state, state.opt_state))
-  return state, {**sums, "grad_norm": grad_norm, "skipped": 1.0 - finite.astype(jnp.float32)}
+  return state, {"grad_norm": grad_norm, "skipped": 1.0 - finite.astype(jnp.float32)}
 
 
 def eval_step(params, batch: dict, *, models: RealmModels) -> dict:
