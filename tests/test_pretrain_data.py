@@ -208,23 +208,22 @@ def test_same_seed_same_batches_other_seed_other_order(setup, regex_examples):
   assert not all(_same(x, y) for x, y in zip(a, c))
 
 
-def test_host_shards_are_disjoint_and_cover(setup, regex_examples):
+def test_host_shards_split_each_global_batch(setup, regex_examples):
+  """Two hosts with batch 3 each see, side by side, the very batches one host with batch 6 sees
+  (same examples, same masked spans), and together cover a whole epoch without overlap."""
   out, tok = regex_examples[0], setup[2]
-
-  def keys(shard):
-    it = _batches(out, tok, batch_size=1, shard_index=shard, shard_count=2, num_epochs=1)
-    out_keys = []
-    for b in it:
-      ids = b["input_ids"][0].copy()
-      k = int(b["mlm_weights"][0].sum())
-      ids[b["mlm_positions"][0, :k]] = b["mlm_targets"][0, :k]
-      out_keys.append((int(b["block_row"][0]), tuple(ids)))
-    return out_keys
-
-  k0, k1 = keys(0), keys(1)
-  records = _records(out, "train")
-  assert len(k0) + len(k1) == len(records) and not set(k0) & set(k1)
-  assert {k[0] for k in k0 + k1} == {r["block_row"] for r in records}
+  one = list(_batches(out, tok, batch_size=6, seed=5, num_epochs=1))
+  hosts = [list(_batches(out, tok, batch_size=3, seed=5, shard_index=h, shard_count=2,
+                         num_epochs=1)) for h in (0, 1)]
+  assert len(one) == len(hosts[0]) == len(hosts[1]) == len(_records(out, "train")) // 6 > 1
+  for whole, a, b in zip(one, *hosts):
+    for key in whole:
+      np.testing.assert_array_equal(whole[key], np.concatenate([a[key], b[key]]), err_msg=key)
+  seen = [int(r) for batch in hosts[0] + hosts[1] for r in batch["block_row"]]
+  rows = [int(r) for batch in one for r in batch["block_row"]]
+  assert sorted(seen) == sorted(rows)
+  with pytest.raises(ValueError, match="global batch"):
+    _batches(out, tok, batch_size=len(_records(out, "train")), shard_index=0, shard_count=2)
 
 
 def test_rebuild_reuses_or_refuses(setup, regex_examples):
@@ -249,7 +248,7 @@ def test_pipeline_errors_are_clear(setup, regex_examples, tmp_path):
     _batches(str(tmp_path), tok)
   with pytest.raises(ValueError, match="split='dev'"):
     _batches(out, tok, split="dev")
-  with pytest.raises(ValueError, match="batch_size=100000 must be between 1 and the"):
+  with pytest.raises(ValueError, match="= 100000 examples must be between 1 and the"):
     _batches(out, tok, batch_size=100_000)
   with pytest.raises(ValueError, match="built with query_length=32"):
     _batches(out, tok, query_length=64)

@@ -402,6 +402,32 @@ class MaskOneSpan:
             "block_id": np.int64(ex["block_id"])}
 
 
+class HostSlice(grain.MapDataset):
+  """This host's rows of every global batch: element j of the slice is element
+  (j // b) * b * hosts + host * b + j % b of the parent (b = per-host batch). Random maps before
+  it are seeded by the global index, so each example is the same on any number of hosts."""
+
+  def __init__(self, parent: grain.MapDataset, batch_size: int, host: int, hosts: int):
+    super().__init__(parent)
+    self._b, self._host, self._hosts = batch_size, host, hosts
+    self._length = len(parent) // (batch_size * hosts) * batch_size
+
+  def __len__(self) -> int:
+    return self._length
+
+  def _parent_index(self, index: int) -> int:
+    batch, offset = divmod(index, self._b)
+    return (batch * self._hosts + self._host) * self._b + offset
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    return self._parent[self._parent_index(index)]
+
+  def __str__(self) -> str:
+    return f"HostSlice(batch={self._b}, host={self._host}/{self._hosts})"
+
+
 def pretrain_batches(examples_dir: str, split: str, *, batch_size: int, seed: int,
                      query_length: int, max_masked: int, tokenizer_ids: Sequence[int],
                      shard_index: int = 0, shard_count: int = 1, num_epochs: int | None = None,
@@ -411,11 +437,14 @@ def pretrain_batches(examples_dir: str, split: str, *, batch_size: int, seed: in
   Args:
     examples_dir: written by `build_examples`.
     split: "train" or "heldout".
-    batch_size: examples per batch (per host); the last partial batch of a run is dropped.
+    batch_size: examples per batch of this host; the last partial batch of a run is dropped.
     seed: shuffling (new order each epoch) and span choice; same seed, same batches.
     query_length, max_masked: must be those the examples were built with.
     tokenizer_ids: (cls, sep, mask, pad) ids, e.g. `special_ids(tokenizer)`.
-    shard_index, shard_count: this host takes examples shard_index, shard_index + shard_count, ...
+    shard_index, shard_count: this host's part of each global batch of `batch_size * shard_count`
+      examples: rows [shard_index * batch_size, (shard_index + 1) * batch_size). Global batch g is
+      the same whatever the host count, so a run on 4 hosts sees exactly the data of a run on one
+      (and each host reads and masks only its own examples).
     num_epochs: None repeats forever.
     read_options: grain.ReadOptions (default: 2 threads, 8 batches prefetched).
   Returns:
@@ -438,15 +467,17 @@ def pretrain_batches(examples_dir: str, split: str, *, batch_size: int, seed: in
     raise ValueError(f"seed={seed} must be in [0, 2**32).")
   cls_id, sep_id, mask_id, pad_id = (int(i) for i in tokenizer_ids)
   source = grain.sources.ArrayRecordDataSource(os.path.join(examples_dir, f"{split}.array_record"))
-  ds = grain.MapDataset.source(source)[shard_index::shard_count]
-  if not 1 <= batch_size <= len(ds):
+  ds = grain.MapDataset.source(source)
+  global_batch = batch_size * shard_count
+  if not 1 <= global_batch <= len(ds):
     raise ValueError(
-        f"batch_size={batch_size} must be between 1 and the {len(ds)} {split} examples of shard "
-        f"{shard_index}/{shard_count} in {examples_dir}: lower batch_size, or build more examples.")
+        f"A global batch of {batch_size} x {shard_count} hosts = {global_batch} examples must be "
+        f"between 1 and the {len(ds)} {split} examples in {examples_dir}: lower the batch size, or "
+        "build more examples.")
   span_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
   ds = (ds.shuffle(seed=seed).repeat(num_epochs)
         .random_map(MaskOneSpan(query_length, max_masked, cls_id, sep_id, mask_id, pad_id),
-                    seed=span_seed)
-        .batch(batch_size, drop_remainder=True))
+                    seed=span_seed))
+  ds = HostSlice(ds, batch_size, shard_index, shard_count).batch(batch_size, drop_remainder=True)
   read_options = read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
   return iter(ds.to_iter_dataset(read_options))

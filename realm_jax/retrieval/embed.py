@@ -73,7 +73,7 @@ def embed_in_buckets(embed_fn: Callable[[Batch], jax.Array], inputs: Batch, batc
   n, max_len = inputs["input_ids"].shape
   if n == 0:
     raise ValueError("Nothing to embed: the corpus is empty.")
-  mesh = mesh or Mesh(np.array(jax.devices()), ("data",))
+  mesh = mesh or Mesh(np.array(jax.local_devices()), ("data",))
   n_dev = mesh.devices.size
   buckets = buckets or bucket_lengths(max_len)
   sharding = NamedSharding(mesh, P("data"))

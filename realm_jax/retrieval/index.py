@@ -235,6 +235,9 @@ class DocIndex:
     """The stored [N, D] embeddings on the host, in the storage dtype."""
     if self.searcher == "scann":
       return self._host_emb
+    if not self._emb.is_fully_addressable:
+      raise ValueError("This index is sharded over several hosts; each holds only its own rows. "
+                       "Save it from the embeddings it was built from (save(..., embeddings=)).")
     return np.asarray(jax.device_get(self._emb))[:self.count]
 
   def _rows(self, ids: np.ndarray) -> np.ndarray:
@@ -330,7 +333,7 @@ class DocIndex:
     return top_scores, top_rows
 
   def save(self, directory: str | os.PathLike, *, step: int, model_fingerprint: str,
-           corpus_fingerprint: str) -> None:
+           corpus_fingerprint: str, embeddings: np.ndarray | None = None) -> None:
     """Writes `index.safetensors` and `manifest.json` into `directory`, atomically (replacing it).
 
     Args:
@@ -338,6 +341,8 @@ class DocIndex:
       step: training step of the retriever that embedded the corpus.
       model_fingerprint: identifies those retriever weights.
       corpus_fingerprint: identifies the blocks (text and order); `load` can insist on it.
+      embeddings: the [N, D] rows this index was built from, when the caller still has them: an
+        index sharded over several hosts holds only its own rows on each.
     """
     from safetensors.numpy import save_file  # local: only saving and loading need it
 
@@ -345,7 +350,13 @@ class DocIndex:
                 "model_fingerprint": str(model_fingerprint),
                 "corpus_fingerprint": str(corpus_fingerprint), "dtype": self.dtype.name,
                 "count": self.count, "dim": self.dim}
-    arrays = {"embeddings": self.embeddings(), "block_ids": self.block_ids}
+    if embeddings is None:
+      embeddings = self.embeddings()
+    elif np.shape(embeddings) != (self.count, self.dim):
+      raise ValueError(f"embeddings has shape {np.shape(embeddings)}; this index is "
+                       f"[{self.count}, {self.dim}].")
+    arrays = {"embeddings": np.asarray(embeddings).astype(self.dtype, copy=False),
+              "block_ids": self.block_ids}
 
     def write(tmp):
       save_file(arrays, os.path.join(tmp, ARRAYS))
@@ -412,17 +423,22 @@ def read_manifest(directory: str | os.PathLike) -> dict:
   return manifest
 
 
+def index_path(root: str | os.PathLike, step: int) -> str:
+  """Where `publish_index` puts the index of training step `step`."""
+  return os.path.join(os.fspath(root), f"index-{step:08d}")
+
+
 def publish_index(root: str | os.PathLike, index: DocIndex, step: int, *, model_fingerprint: str,
-                  corpus_fingerprint: str) -> str:
+                  corpus_fingerprint: str, embeddings: np.ndarray | None = None) -> str:
   """Saves `index` as `root/index-{step:08d}`, then points `root/LATEST` at it; returns its path.
 
   The index directory is complete before LATEST names it, and both are renamed into place, so a
-  reader that follows LATEST never sees a partial index.
+  reader that follows LATEST never sees a partial index. `embeddings`: see `DocIndex.save`.
   """
-  name = f"index-{step:08d}"
-  path = os.path.join(os.fspath(root), name)
+  path = index_path(root, step)
+  name = os.path.basename(path)
   index.save(path, step=step, model_fingerprint=model_fingerprint,
-             corpus_fingerprint=corpus_fingerprint)
+             corpus_fingerprint=corpus_fingerprint, embeddings=embeddings)
   write_json(os.path.join(os.fspath(root), LATEST), {"directory": name, "step": int(step)})
   return path
 

@@ -23,12 +23,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from realm_jax import distributed
 from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.pretrain import build_examples, pretrain_batches, special_ids
 from realm_jax.io_utils import read_json, write_json
 from realm_jax.text import BertTokenizer
 from realm_jax.train import checkpoints
-from realm_jax.train.candidates import CandidateBuilder, make_batch
+from realm_jax.train.candidates import CandidateBuilder, retrieve
 from realm_jax.train.init import build_models, init_params
 from realm_jax.train.optimizer import bert_adamw, bert_schedule
 from realm_jax.train.realm_step import TrainState, eval_step, summarize, train_step
@@ -42,12 +43,11 @@ _FIXED = ("init", "model", "num_layers", "share_embedders", "corpus", "query_len
 
 
 def maybe_initialize_distributed(enabled: bool) -> None:
-  """`jax.distributed.initialize()` for multi-host runs (TPU pods find their peers by themselves;
-  elsewhere set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)."""
-  if enabled and not jax.distributed.is_initialized():
-    jax.distributed.initialize()
-    logging.info("Process %d of %d, %d local / %d global devices", jax.process_index(),
-                 jax.process_count(), jax.local_device_count(), jax.device_count())
+  """`jax.distributed.initialize()` for multi-host runs: TPU pods find their peers by themselves;
+  elsewhere set REALM_COORDINATOR_ADDRESS, REALM_NUM_PROCESSES and REALM_PROCESS_ID (see
+  realm_jax/distributed.py)."""
+  if enabled:
+    distributed.initialize()
 
 
 def check_workdir_config(config, workdir: str) -> None:
@@ -66,7 +66,13 @@ def check_workdir_config(config, workdir: str) -> None:
 
 
 def open_data(config, workdir: str, vocab_file: str):
-  """(corpus, tokenizer, examples dir), building what is missing."""
+  """(corpus, tokenizer, examples dir), building what is missing (on the first host; the others
+  wait for it, then open what it built)."""
+  return distributed.first_host_first(
+      "realm_jax:open_data", lambda: _open_data(config, workdir, vocab_file))
+
+
+def _open_data(config, workdir: str, vocab_file: str):
   data_dir = config.data_dir or os.path.join(workdir, "data")
   c = config.corpus
   tokenizer = BertTokenizer(vocab_file)
@@ -144,8 +150,9 @@ class Trainer:
                                                   config.keep_checkpoints)
     self.train_iter = self._batches("train", config.seed)
     self.index_root = os.path.join(workdir, "index")
+    # The index is sharded over every device of every host, like the batch.
     self.index_options = dict(searcher=config.index.searcher, dtype=config.index.dtype,
-                              mesh=Mesh(np.array(jax.local_devices()), ("data",)))
+                              mesh=self.mesh)
     self.embedder = DocumentEmbedder(self.models, self.corpus, tok, config.doc_length,
                                      config.index.embed_batch_size)
     self.index, self.index_path = None, None
@@ -167,16 +174,17 @@ class Trainer:
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(self.data_sharding, x), host_batch)
 
-  def embed_queries(self, params, queries: dict) -> np.ndarray:
-    """This host's queries [host batch, D], embedded with the current query tower."""
-    emb = np.asarray(self._embed_q(params["retriever"], self._global(queries)))  # all hosts' rows
-    lo = jax.process_index() * self.host_batch  # hosts' rows are laid out in process order
-    return emb[lo:lo + self.host_batch]
-
   def step_batch(self, queries: dict) -> dict:
-    batch, _ = make_batch(self.index, self.corpus, self.builder,
-                          functools.partial(self.embed_queries, self.state.params), queries)
-    return self._global(batch)
+    """Retrieval for the global batch, then this host's part of the step batch (global arrays).
+
+    Every host searches all hosts' queries together: the index is sharded over all devices, so
+    the search is one collective call with the same arguments everywhere.
+    """
+    q = {n: queries[n] for n in ("input_ids", "attention_mask", "token_type_ids")}
+    emb = np.asarray(self._embed_q(self.state.params["retriever"], self._global(q)))  # [G, D]
+    exclude = distributed.allgather_rows(queries["block_id"])  # [G], hosts in process order
+    _, rows = retrieve(self.index, self.corpus, emb, exclude, self.builder.k - 1)
+    return self._global(self.builder.build(queries, distributed.host_rows(rows, self.host_batch)))
 
   # --------------------------------------------------------------------------------- index
   def _set_index(self, index, path):
@@ -187,6 +195,7 @@ class Trainer:
     """Loads the index a checkpoint names, else the newest published, else builds the first one
     from the current weights (ICT, MiniLM or random)."""
     dim = self.embedder_dim()
+    distributed.sync("realm_jax:ensure_index")  # every host sees the same published indexes
     path = path if path and os.path.isdir(path) else latest_index_dir(self.index_root)
     if path is not None and index_step(path) <= int(self.state.step):
       self._set_index(load_index(path, self.corpus, dim, self.index_options), path)
@@ -195,7 +204,7 @@ class Trainer:
                                int(self.state.step), self.index_options))
     if self.config.index.refresh == "async":
       self.watcher = AsyncIndexWatcher(self.index_root, self.corpus, dim, self.index_options,
-                                       self.index_path)
+                                       self.index_path, agree=jax.process_count() > 1)
 
   def embedder_dim(self) -> int:
     c = self.model_config

@@ -15,8 +15,10 @@ import os
 import jax
 import numpy as np
 
+from realm_jax import distributed
 from realm_jax.retrieval.embed import embed_in_buckets
-from realm_jax.retrieval.index import DocIndex, latest_index_dir, publish_index, read_manifest
+from realm_jax.retrieval.index import (DocIndex, index_path, latest_index_dir, publish_index,
+                                       read_manifest)
 from realm_jax.retrieval.towers import params_fingerprint
 
 REFRESH_MODES = ("sync", "async", "none")
@@ -34,11 +36,16 @@ class DocumentEmbedder:
     self._tokenizer, self._doc_length, self._batch_size = tokenizer, doc_length, batch_size
 
   def __call__(self, retriever_params) -> np.ndarray:
+    """[N, D] embeddings of every block, on every host. With several hosts each embeds its own
+    share of the blocks on its local devices, then the shares are gathered."""
+    n, hosts = len(self.corpus), jax.process_count()
+    share = -(-n // hosts)  # rows per host; the last host's share is padded with row n - 1
     if self._inputs is None:  # laid out once: the corpus does not change under a run
-      self._inputs = self.corpus.model_inputs(np.arange(len(self.corpus)), self._doc_length,
-                                              self._tokenizer)
-    return embed_in_buckets(lambda b: self._fn(retriever_params, b), self._inputs,
-                            self._batch_size, desc="refreshing index")
+      rows = np.minimum(np.arange(share) + jax.process_index() * share, n - 1)
+      self._inputs = self.corpus.model_inputs(rows, self._doc_length, self._tokenizer)
+    emb = embed_in_buckets(lambda b: self._fn(retriever_params, b), self._inputs,
+                           self._batch_size, desc="refreshing index")
+    return distributed.allgather_rows(emb)[:n]
 
 
 def index_fingerprint(retriever_params) -> str:
@@ -47,12 +54,20 @@ def index_fingerprint(retriever_params) -> str:
 
 def refresh(root: str, embedder: DocumentEmbedder, retriever_params, step: int,
             index_options: dict) -> tuple[DocIndex, str]:
-  """Re-embeds the corpus with `retriever_params` and publishes it as step `step`."""
+  """Re-embeds the corpus with `retriever_params` and publishes it as step `step`.
+
+  With several hosts each embeds its share of the blocks and gets the others' (`DocumentEmbedder`),
+  the index keeps on each host the rows of its own devices, and the first host publishes; all
+  return once it is published.
+  """
   params = jax.device_get(retriever_params)
   emb = embedder(params)
   index = DocIndex(emb, embedder.corpus.block_ids, **index_options)
-  path = publish_index(root, index, step, model_fingerprint=index_fingerprint(params),
-                       corpus_fingerprint=embedder.corpus.fingerprint)
+  path = index_path(root, step)
+  if jax.process_index() == 0:
+    publish_index(root, index, step, model_fingerprint=index_fingerprint(params),
+                  corpus_fingerprint=embedder.corpus.fingerprint, embeddings=emb)
+  distributed.sync(f"realm_jax:refresh:{step}")
   index.manifest = read_manifest(path)
   return index, path
 
@@ -68,35 +83,63 @@ class AsyncIndexWatcher:
 
   Only complete indexes are ever seen (`latest_index_dir` ignores interrupted writes); an index
   that fails to load is logged and the current one kept.
+
+  With several hosts (`agree=True`) every host must search the same index (it is one array
+  sharded over all of them), so `poll` is a collective: an index is swapped in only once every
+  host has loaded that same version; a host that loaded an older one than another drops it and
+  loads the newer one.
   """
 
-  def __init__(self, root: str, corpus, dim: int, index_options: dict, current_path: str | None):
+  def __init__(self, root: str, corpus, dim: int, index_options: dict, current_path: str | None,
+               agree: bool = False):
     self.root, self.corpus, self.dim, self.options = root, corpus, dim, index_options
-    self.current_path = current_path
+    self.current_path, self.agree = current_path, agree
     self._pool = concurrent.futures.ThreadPoolExecutor(1)
     self._pending: tuple[str, concurrent.futures.Future] | None = None
+    self._ready: tuple[DocIndex, str] | None = None
+    self._bad: str | None = None
 
-  def poll(self) -> tuple[DocIndex, str] | None:
-    """A newer index when one has finished loading, else None (never blocks on a load)."""
+  def _load(self, path: str) -> None:
+    self._pending = (path, self._pool.submit(load_index, path, self.corpus, self.dim,
+                                             self.options))
+
+  def _collect(self) -> None:
+    """Moves a finished load to `_ready` (or logs its failure); starts loading a newer index."""
     if self._pending is not None:
       path, future = self._pending
       if not future.done():
-        return None
+        return
       self._pending = None
       try:
-        index = future.result()
+        self._ready = (future.result(), path)
       except Exception as e:  # noqa: BLE001  (a bad index must not stop training)
         logging.warning("Could not load the index %s (%s); training goes on with %s.", path, e,
                         self.current_path)
         self._bad = path
+      return
+    if self._ready is None:
+      path = latest_index_dir(self.root)
+      if path and path != self.current_path and path != self._bad:
+        self._load(path)
+
+  def poll(self) -> tuple[DocIndex, str] | None:
+    """A newer index when one has finished loading (on every host), else None; never blocks on
+    a load."""
+    self._collect()
+    if self.agree:
+      mine = index_step(self._ready[1]) if self._ready is not None else -1
+      steps = distributed.allgather_rows(np.array([mine], np.int64))
+      if steps.min() != steps.max():  # hosts hold different versions: all go for the newest
+        newest = index_path(self.root, int(steps.max()))
+        if mine < steps.max() and self._pending is None and newest != self._bad:
+          self._ready = None
+          self._load(newest)
         return None
-      self.current_path = path
-      return index, path
-    path = latest_index_dir(self.root)
-    if path and path != self.current_path and path != getattr(self, "_bad", None):
-      self._pending = (path, self._pool.submit(load_index, path, self.corpus, self.dim,
-                                               self.options))
-    return None
+    if self._ready is None:
+      return None
+    got, self._ready = self._ready, None
+    self.current_path = got[1]
+    return got
 
   def close(self):
     self._pool.shutdown(wait=False, cancel_futures=True)

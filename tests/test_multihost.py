@@ -1,0 +1,175 @@
+"""Multi-host pre-training for real: 2 processes x 2 fake CPU devices, talking through
+`jax.distributed` (gloo collectives on localhost), train the tiny config with the index sharded over
+all 4 devices of both processes, refresh the index once and write one checkpoint. The parameters
+and losses equal those of one process with 4 devices and the same global batch."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+try:  # the tiny config reads the embedded corpus and the MiniLM vocabulary (the demo extra)
+  from realm_jax.checkpoints.minilm import minilm_dir
+  from realm_jax.data.wiki_vital import summaries_path
+  summaries_path(), minilm_dir()
+except Exception as e:  # noqa: BLE001
+  pytest.skip(f"needs the demo extra: {e}", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 4
+# The first MiniLM layer rather than the tiny random model: a random BERT embeds every sentence
+# almost alike, so retrieval scores tie to ~1e-7 and the reduction-order noise of another device
+# layout flips which blocks are retrieved; real weights separate them.
+FLAGS = ["--config=realm_jax/configs/pretrain.py:tiny", "--config.init=minilm",
+         "--config.num_layers=1", "--config.score_scale=20", f"--config.num_steps={STEPS}",
+         f"--config.checkpoint_every={STEPS}", "--config.index.refresh_every=2",
+         "--config.eval_every=2", "--config.learning_rate=1e-4"]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env(devices: int, **extra) -> dict:
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+         "JAX_PLATFORMS": "cpu", **extra}
+  return env
+
+
+def _start(workdir, data_dir, env, *extra):
+  cmd = [sys.executable, "experiments/pretrain.py", *FLAGS, f"--workdir={workdir}",
+         f"--config.data_dir={data_dir}", *extra]
+  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(procs):
+  outs = []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=600)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-4000:]
+  return outs
+
+
+def _params(workdir):
+  """The parameters of the checkpoint, read onto this process's first device (whatever topology
+  wrote them)."""
+  import jax
+  import orbax.checkpoint as ocp
+  path = os.path.join(workdir, "checkpoints", str(STEPS), "state")
+  ckpt = ocp.StandardCheckpointer()
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  meta = ckpt.metadata(path)
+  meta = getattr(meta, "item_metadata", meta)
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+  state = ckpt.restore(path, target)
+  return dict(jax.tree_util.tree_leaves_with_path(state["params"]))
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return [(r["step"], r["split"], r["loss"]) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  data_dir = str(tmp_path_factory.mktemp("data"))
+  single = str(tmp_path_factory.mktemp("single"))
+  multi = str(tmp_path_factory.mktemp("multi"))
+  outs = _finish([_start(single, data_dir, _env(4))])
+  port = _free_port()
+  procs = [_start(multi, data_dir, _env(2, REALM_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                        REALM_NUM_PROCESSES="2", REALM_PROCESS_ID=str(i)),
+                  "--config.distributed=True") for i in range(2)]
+  return single, multi, outs + _finish(procs)
+
+
+def test_two_processes_equal_one(runs):
+  single, multi, outs = runs
+  assert "Process 0 of 2: 2 local / 4 global devices" in outs[1]
+  assert "Process 1 of 2: 2 local / 4 global devices" in outs[2]
+  # One checkpoint, written by both processes into one work directory (each its data iterator).
+  ckpt = os.path.join(multi, "checkpoints", str(STEPS))
+  assert sorted(os.listdir(os.path.join(multi, "checkpoints"))) == [str(STEPS)]
+  data_states = sorted(os.listdir(os.path.join(ckpt, "data")))
+  assert [n for n in data_states if n.startswith("process_")] == [
+      "process_0-of-2.json", "process_1-of-2.json"]
+  # The index was refreshed at step 2 and published once, by the first process.
+  assert sorted(d for d in os.listdir(os.path.join(multi, "index")) if d.startswith("index-")) == [
+      "index-00000000", "index-00000002"]
+  got, want = _params(multi), _params(single)
+  assert got.keys() == want.keys()
+  worst = max(float(np.max(np.abs(np.asarray(got[k], np.float64) - np.asarray(want[k]))))
+              for k in want)
+  assert worst <= 1e-5, worst
+  moved = max(float(np.max(np.abs(np.asarray(want[k])))) for k in want)
+  assert moved > 0
+  a, b = _losses(multi), _losses(single)
+  assert [r[:2] for r in a] == [r[:2] for r in b] and len(a) >= STEPS
+  np.testing.assert_allclose([r[2] for r in a], [r[2] for r in b], rtol=1e-5)
+
+
+def test_async_index_swaps_only_when_every_host_holds_the_same_version(tmp_path, monkeypatch):
+  """Two hosts' watchers (threads here, exchanging through a fake allgather) that started loading
+  different published indexes end up swapping in the same, newest one, in the same round."""
+  import threading
+  import types
+
+  from realm_jax import distributed
+  from realm_jax.retrieval.index import DocIndex, publish_index
+  from realm_jax.train.refresh import AsyncIndexWatcher
+
+  barrier, slots = threading.Barrier(2), {}
+
+  def fake_allgather(x):  # what process_allgather gives each host: both hosts' rows in order
+    slots[threading.current_thread().name] = np.asarray(x)
+    barrier.wait()
+    out = np.concatenate([slots["host0"], slots["host1"]])
+    barrier.wait()
+    return out
+
+  monkeypatch.setattr(distributed, "allgather_rows", fake_allgather)
+  corpus = types.SimpleNamespace(fingerprint="corpus")
+  root = str(tmp_path / "index")
+
+  def publish(step):
+    emb = np.random.default_rng(step).normal(size=(6, 4)).astype(np.float32)
+    publish_index(root, DocIndex(emb, np.arange(6) + 10), step, model_fingerprint=str(step),
+                  corpus_fingerprint="corpus")
+
+  publish(0)
+  watchers = [AsyncIndexWatcher(root, corpus, 4, {}, None, agree=True) for _ in range(2)]
+  watchers[0]._collect()  # host 0 starts loading index 0 ...
+  publish(5)
+  watchers[1]._collect()  # ... host 1 already sees index 5
+  rounds = {0: [], 1: []}
+
+  def host(i):
+    for _ in range(200):
+      got = watchers[i].poll()
+      rounds[i].append(None if got is None else os.path.basename(got[1]))
+      if got is None:
+        threading.Event().wait(0.01)
+
+  threads = [threading.Thread(target=host, args=(i,), name=f"host{i}") for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=60)
+  for w in watchers:
+    w.close()
+  swaps = [[(r, name) for r, name in enumerate(rounds[i]) if name] for i in range(2)]
+  assert swaps[0] == swaps[1] and [name for _, name in swaps[0]] == ["index-00000005"]
