@@ -167,3 +167,45 @@ def test_bert_schedule_and_decay_mask():
   mask = decay_mask({"dense": {"kernel": 1, "bias": 2}, "LayerNorm": {"scale": 3, "bias": 4}})
   assert mask == {"dense": {"kernel": True, "bias": False},
                   "LayerNorm": {"scale": False, "bias": False}}
+
+
+def test_layer_recomputation_changes_no_number():
+  """config.remat recomputes each layer in the backward pass: loss and every gradient equal the
+  plain model's (same parameters, same dropout) up to float32 rounding of a differently fused
+  computation."""
+  batch = make_batch(seed=3)
+  out = []
+  for remat in (False, True):
+    cfg = CFG.replace(remat=remat)
+    models = RealmModels(RealmRetriever(cfg), KnowledgeAugEncoder(cfg), 1.0)
+    params = make_params(make_models())
+    (loss, _), grads = jax.jit(jax.value_and_grad(
+        lambda p: realm_loss(p, batch, models, jax.random.key(7)), has_aux=True))(params)
+    out.append((loss, grads))
+  np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):  # float32 rounding
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()) + 1e-9)
+
+
+def test_memory_estimate_against_xla():
+  """The estimate printed before a run counts the parameters exactly and stays within its margin
+  below XLA's buffer assignment of the compiled step (tiny config, 1 and 8 devices)."""
+  import os
+  import sys
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+  from memory import measured  # benchmarks/memory.py
+
+  from realm_jax.configs.pretrain import get_config
+  from realm_jax.train import memory
+  c = get_config("tiny")
+  mc = memory.model_config(c)
+  from realm_jax.train.init import build_models
+  models, _, _ = build_models(c)
+  real = {n: sum(x.size for x in jax.tree.leaves(_init(m, mc, jax.random.key(0))))
+          for n, m in (("retriever", models.retriever), ("encoder", models.encoder))}
+  for devices in (1, 8):
+    est = memory.estimate(c, devices, 96, mc)
+    assert est["params"] == real
+    step = sum(v for k, v in est["parts"].items() if k not in ("index shard", "search scratch"))
+    xla = measured(c, mc, devices)["total"]
+    assert step <= xla <= memory.MARGIN * step, (devices, step, xla)

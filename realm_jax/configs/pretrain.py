@@ -9,7 +9,22 @@ Variants (`--config=realm_jax/configs/pretrain.py:<variant>`):
          batch 512, K = 8, 200k steps, lr 3e-5, query 96 / block 288 / joint 384 word pieces,
          the full English Wikipedia as blocks (13.35M), index sharded over the devices of a pod
          and refreshed asynchronously by experiments/refresh_index.py.
+  paper_v3_128, paper_v4_64, paper_v5e_256
+         `paper` on one TPU pod slice (tpu/launch.sh): bfloat16 compute, several hosts
+         (config.distributed), and `slice` naming its devices and their memory, for the memory
+         estimate printed before the run (realm_jax/train/memory.py;
+         python experiments/memory_estimate.py --config=realm_jax/configs/pretrain.py:paper_v4_64).
 """
+
+# TPU pod slices: JAX devices (v3: two cores per chip, each a device; v4/v5e: one per chip),
+# memory per device (GiB) and hosts. From Google's TPU system architecture pages.
+SLICES = {
+    "v3_128": dict(name="v3-128", devices=128, hbm_gib=16, hosts=16),
+    "v4_64": dict(name="v4-64", devices=32, hbm_gib=32, hosts=8),
+    "v5e_256": dict(name="v5litepod-256", devices=256, hbm_gib=16, hosts=64),
+}
+BERT_BASE = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                 intermediate_size=3072, max_position_embeddings=512, retriever_proj_size=128)
 
 import ml_collections
 
@@ -28,6 +43,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.share_embedders = True
   c.score_scale = 1.0             # multiplies relevance scores (20 for L2-normalised MiniLM)
   c.dtype = "float32"             # compute dtype: float32 | bfloat16
+  c.remat = False                 # recompute each layer in the backward pass (less memory)
 
   c.corpus = ml_collections.ConfigDict(dict(
       source="wiki_vital", paths=(), block_length=288, blocking="sentences", max_docs=0,
@@ -57,6 +73,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
       refresh="async",            # sync | async | none
       refresh_every=500,          # sync: steps between refreshes
       embed_batch_size=64))
+  c.slice = ml_collections.ConfigDict(dict(name="", devices=0, hbm_gib=0.0, hosts=0))
   c.log_every = 50
   c.eval_every = 1000
   c.eval_batches = 20
@@ -110,10 +127,23 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     c.eval_batches = 1
     c.checkpoint_every = 2
     c.index.embed_batch_size = 16
-  elif arg == "paper":
+  elif arg == "paper" or arg.removeprefix("paper_") in SLICES:
     c.init = "hf"
+    c.model = ml_collections.ConfigDict(BERT_BASE)  # the sizes of the weights init=hf loads
+    c.share_embedders = False   # REALM's query and document towers (from ICT) are separate
+    c.corpus.source = "tfds_wikipedia"
     c.index.searcher = "exact"
     c.index.dtype = "bfloat16"
+    c.index.refresh = "async"
+    if arg != "paper":
+      c.slice = ml_collections.ConfigDict(SLICES[arg.removeprefix("paper_")])
+      c.dtype = "bfloat16"
+      c.distributed = True
+      # With every activation kept, 4 / 16 / 2 examples per device need more than the 16 / 32 /
+      # 16 GiB of a v3 core / v4 chip / v5e chip (python benchmarks/memory.py): recompute each
+      # layer in the backward pass instead.
+      c.remat = True
   else:
-    raise ValueError(f"Unknown pretrain config {arg!r}: use demo, tiny or paper.")
+    raise ValueError(f"Unknown pretrain config {arg!r}: use demo, tiny, paper or one of "
+                     f"{[f'paper_{s}' for s in SLICES]}.")
   return c

@@ -130,8 +130,10 @@ class BertEncoder(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, mask_bias: Array, deterministic: bool) -> Array:
+    # static_argnums counts `self`: `deterministic` is argument 3 and picks the code path.
+    layer = nn.remat(BertLayer, static_argnums=(3,)) if self.config.remat else BertLayer
     for i in range(self.config.num_hidden_layers):
-      x = BertLayer(self.config, name=f"layer_{i}")(x, mask_bias, deterministic)
+      x = layer(self.config, name=f"layer_{i}")(x, mask_bias, deterministic)
     return x
 
 

@@ -57,9 +57,10 @@ def _init(module, config: RealmConfig, rng, k: int = 2, length: int = 8):
 
 
 def sized_model_config(config, model_config: RealmConfig) -> RealmConfig:
-  """`model_config` with the run's compute dtype and, if config.num_layers > 0, only the first
-  num_layers transformer layers of the weights (small CPU demos)."""
-  model_config = model_config.replace(dtype=config.dtype)
+  """`model_config` with the run's compute dtype and layer recomputation (config.remat) and, if
+  config.num_layers > 0, only the first num_layers transformer layers of the weights (small CPU
+  demos)."""
+  model_config = model_config.replace(dtype=config.dtype, remat=bool(config.get("remat", False)))
   if config.num_layers:
     if config.num_layers > model_config.num_hidden_layers:
       raise ValueError(f"config.num_layers={config.num_layers} is more than the "

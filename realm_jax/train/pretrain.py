@@ -28,7 +28,7 @@ from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.pretrain import build_examples, pretrain_batches, special_ids
 from realm_jax.io_utils import read_json, write_json
 from realm_jax.text import BertTokenizer
-from realm_jax.train import checkpoints
+from realm_jax.train import checkpoints, memory
 from realm_jax.train.candidates import CandidateBuilder, retrieve
 from realm_jax.train.init import build_models, init_params
 from realm_jax.train.optimizer import bert_adamw, bert_schedule
@@ -155,6 +155,10 @@ class Trainer:
                               mesh=self.mesh)
     self.embedder = DocumentEmbedder(self.models, self.corpus, tok, config.doc_length,
                                      config.index.embed_batch_size)
+    self.memory_estimate = memory.estimate(config, jax.device_count(), len(self.corpus),
+                                           self.model_config)
+    logging.info("%s", memory.format_estimate(
+        self.memory_estimate, config.slice.hbm_gib if config.get("slice") else 0.0))
     self.index, self.index_path = None, None
     self.watcher = None
     self.writer = None
@@ -294,6 +298,9 @@ class Trainer:
       self.bad_steps = count_bad_steps(self.bad_steps, out["skipped"], step, c.max_bad_steps,
                                        self.workdir)
       sums = out if sums is None else jax.tree.map(np.add, sums, out)
+      if step == start_step and (peak := memory.device_peak_bytes()) is not None:
+        logging.info("Device memory after the first step: %.2f GiB peak (estimated %.2f GiB).",
+                     peak / memory.GIB, self.memory_estimate["total"] / memory.GIB)
       window_examples += c.batch_size
       done = step + 1
       bar.update(1)

@@ -1,0 +1,35 @@
+"""Memory per device of a pre-training run, estimated before it starts (realm_jax/train/memory.py).
+
+  python experiments/memory_estimate.py --config=realm_jax/configs/pretrain.py:paper_v4_64
+  python experiments/memory_estimate.py --config=realm_jax/configs/pretrain.py:paper \
+      --devices=8 --capacity_gib=80 --config.batch_size=64 --config.remat=True
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from realm_jax.train import memory
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (realm_jax/configs/pretrain.py:<variant>).")
+_DEVICES = flags.DEFINE_integer("devices", 0, "Devices the batch and index are sharded over "
+                                "(default: the config's slice).")
+_ROWS = flags.DEFINE_integer("index_rows", 0, "Blocks in the index (default: 13,353,718 for "
+                             "full Wikipedia).")
+_CAPACITY = flags.DEFINE_float("capacity_gib", 0.0, "Memory per device (default: the slice's).")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+  del argv
+  c = _CONFIG.value
+  devices = _DEVICES.value or c.slice.devices
+  if not devices:
+    raise app.UsageError("--devices is needed: this config names no TPU slice.")
+  rows = _ROWS.value or memory.index_rows_for(c)
+  est = memory.estimate(c, devices, rows)
+  title = f"{c.variant}{' on ' + c.slice.name if c.slice.name else ''}: memory per device (estimate)"
+  print(memory.format_estimate(est, _CAPACITY.value or c.slice.hbm_gib, title))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,157 @@
+"""How much memory a pre-training run needs on each device, estimated before it starts.
+
+    est = estimate(config, devices=32, index_rows=13_353_718)
+    print(format_estimate(est))
+
+Per device (the state is replicated, the batch and the index are sharded over every device):
+
+  parameters        4 P bytes (float32; P = retriever + encoder parameters, counted exactly by
+                    abstract initialisation of the models, nothing allocated)
+  gradients         4 P
+  optimiser state   8 P (AdamW's two moments)
+  update buffers    4 P (the new parameters, while the old are kept in case the step is skipped)
+  activations       kept for the backward pass by the three BERT passes of a step: the query tower
+                    on b x Lq tokens, the document tower on b x K x Ld and the encoder on b x K x Le
+                    (b = examples per device). Per layer and token, (34 h + 5 a L) bytes with 16-bit
+                    activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+                    Large Transformer Models", section 4.1: h hidden, a heads, L sequence length),
+                    twice that for float32 compute (with config.remat: each layer's input, h x
+                    dtype bytes, plus one layer's activations); plus the float32 MLM logits over the vocabulary
+                    at the b x K x M masked positions, and their gradient.
+  index shard       ceil(N / devices) x D x (2 for bfloat16, 4 for float32)
+  search scratch    the float32 scores of one query batch against the shard:
+                    min(256, global batch) x ceil(N / devices) x 4
+
+It is an estimate of what XLA allocates, not a measurement: `benchmarks/memory.py` compares it with
+XLA's own buffer assignment of the compiled train step (and the index arrays) for the `tiny` and
+`demo` configs on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import jax
+
+from realm_jax.models.config import RealmConfig
+
+GIB = 1024**3
+# The blocks of REALM's English Wikipedia (Guu et al. 2020, section 4.1), for runs not built yet.
+WIKIPEDIA_BLOCKS = 13_353_718
+SEARCH_QUERY_BATCH = 256  # DocIndex.query_batch_size
+# XLA:CPU's compiled train step of the tiny and demo configs took up to 1.65x the estimate
+# (benchmarks/memory.py; benchmarks/README.md): the verdict keeps that margin.
+MARGIN = 1.7
+
+
+def model_config(config) -> RealmConfig:
+  """The model sizes of a run without loading weights: the MiniLM package's config, a HF weights
+  directory's config.json when it exists, else config.model (the `paper` variants name BERT-base)."""
+  from realm_jax.train.init import sized_model_config
+  if config.init == "minilm":
+    from realm_jax.checkpoints.minilm import minilm_dir
+    base = RealmConfig.from_json_file(os.path.join(minilm_dir(), "config.json"))
+  elif config.init == "hf" and config.retriever_weights and os.path.exists(
+      os.path.join(config.retriever_weights, "config.json")):
+    base = RealmConfig.from_json_file(os.path.join(config.retriever_weights, "config.json"))
+  else:
+    base = RealmConfig(**dict(config.model))
+  return sized_model_config(config, base)
+
+
+def count_params(config, mc: RealmConfig) -> dict[str, int]:
+  """Exact parameter counts {"retriever", "encoder"}, from shapes only."""
+  from realm_jax.models.encoder import KnowledgeAugEncoder
+  from realm_jax.models.retriever import RealmRetriever
+  from realm_jax.train.init import _init
+  models = {"retriever": RealmRetriever(mc, share_embedders=config.share_embedders),
+            "encoder": KnowledgeAugEncoder(mc)}
+  out = {}
+  for name, module in models.items():
+    shapes = jax.eval_shape(functools.partial(_init, module, mc), jax.random.key(0))
+    out[name] = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+  return out
+
+
+def _bert_activations(tokens: int, length: int, mc: RealmConfig, act_bytes: int) -> float:
+  per_token_layer = (34 * mc.hidden_size + 5 * mc.num_attention_heads * length) * act_bytes / 2
+  if mc.remat:  # each layer's input, plus one layer's activations while it is recomputed
+    return tokens * (mc.num_hidden_layers * mc.hidden_size * act_bytes + per_token_layer)
+  return tokens * mc.num_hidden_layers * per_token_layer
+
+
+def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = None) -> dict:
+  """Bytes per device of a run of `config` over `devices` devices and an index of `index_rows`."""
+  mc = mc or model_config(config)
+  counts = count_params(config, mc)
+  p = sum(counts.values())
+  b = -(-config.batch_size // devices)  # examples per device
+  k, act = config.num_candidates, 2 if config.dtype == "bfloat16" else 4
+  activations = (
+      _bert_activations(b * config.query_length, config.query_length, mc, act)
+      + _bert_activations(b * k * config.doc_length, config.doc_length, mc, act)
+      + _bert_activations(b * k * config.joint_length, config.joint_length, mc, act)
+      + 2 * b * k * config.max_masked * mc.vocab_size * 4)
+  shard_rows = -(-index_rows // devices)
+  dim = mc.hidden_size if config.init == "minilm" else mc.retriever_proj_size
+  index_bytes = 2 if config.index.dtype == "bfloat16" else 4
+  parts = {
+      "parameters": 4 * p, "gradients": 4 * p, "optimizer state": 8 * p,
+      # The guarded update keeps the old parameters until the new ones are known to be finite.
+      "update buffers": 4 * p,
+      "activations": activations,
+      "index shard": shard_rows * dim * index_bytes,
+      "search scratch": min(SEARCH_QUERY_BATCH, config.batch_size) * shard_rows * 4,
+  }
+  return {"parts": parts, "total": sum(parts.values()), "params": counts, "devices": devices,
+          "examples_per_device": b, "index_rows": index_rows, "shard_rows": shard_rows,
+          "dim": dim}
+
+
+def format_estimate(est: dict, capacity_gib: float = 0.0, title: str = "") -> str:
+  """A small table of the estimate, with a verdict when the device memory is known."""
+  lines = [title or "Memory per device (estimate)",
+           f"  {est['devices']} devices, {est['examples_per_device']} examples each; "
+           f"{est['params']['retriever'] / 1e6:.1f}M retriever + "
+           f"{est['params']['encoder'] / 1e6:.1f}M encoder parameters; index "
+           f"{est['index_rows']:,} x {est['dim']} ({est['shard_rows']:,} rows per device)"]
+  for name, value in est["parts"].items():
+    lines.append(f"  {name:<16} {value / GIB:8.3f} GiB")
+  lines.append(f"  {'total':<16} {est['total'] / GIB:8.3f} GiB")
+  if capacity_gib:
+    share = est["total"] / (capacity_gib * GIB)
+    verdict = ("fits" if share * MARGIN <= 1 else
+               "does NOT fit: set config.remat, lower the batch per device, or use more devices")
+    lines.append(f"  of {capacity_gib:g} GiB per device: {100 * share:.0f}% (x {MARGIN} margin: "
+                 f"{100 * share * MARGIN:.0f}%) -> {verdict}")
+  return "\n".join(lines)
+
+
+def index_rows_for(config, corpus_len: int | None = None) -> int:
+  """The index size to plan for: the corpus's when known, else full Wikipedia's for that source."""
+  if corpus_len is not None:
+    return corpus_len
+  if config.corpus.source == "tfds_wikipedia":
+    return WIKIPEDIA_BLOCKS
+  raise ValueError("The number of index rows is unknown before the corpus is built: pass "
+                   "--index_rows, or build the corpus first.")
+
+
+def device_peak_bytes() -> int | None:
+  """The most memory this process's first device has held (None where the platform does not
+  report it, as on the CPU)."""
+  stats = jax.local_devices()[0].memory_stats()
+  return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def compiled_step_bytes(compiled) -> dict[str, int]:
+  """XLA's buffer assignment of a compiled step, per device: arguments (state + batch), outputs,
+  outputs that reuse (donated) argument buffers, and temporaries (activations, gradients, ...)."""
+  m = compiled.memory_analysis()
+  return {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+          "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes,
+          "total": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes}
+
