@@ -13,7 +13,7 @@ from realm_jax.train import pretrain
 from realm_jax.train.pretrain import quiet_library_logs
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (realm_jax/configs/pretrain.py:<variant>).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: data, index, checkpoints, TensorBoard.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Work directory (local or gs://): data, index, checkpoints, TensorBoard.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -12,7 +12,7 @@ from realm_jax.train import refresher
 from realm_jax.train.pretrain import quiet_library_logs
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The trainer's config (realm_jax/configs/pretrain.py:<variant>).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's work directory.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's work directory (local or gs://).")
 _POLL = flags.DEFINE_float("poll_seconds", 10.0, "How often to look for a new checkpoint.")
 _IDLE = flags.DEFINE_float("stop_after_idle_s", None, "Stop after this long without a new checkpoint (default: never).")
 flags.mark_flags_as_required(["config", "workdir"])

@@ -1,13 +1,88 @@
-"""Writing files so that an interrupted run never leaves a half-written one behind."""
+"""Files on local disk or in Google Cloud Storage, written so that readers never see half of one.
+
+Every path goes through `etils.epath.Path`: local paths use `os`; `gs://` paths use
+`tf.io.gfile` when TensorFlow is installed, else fsspec's gcsfs (`pip install 'realm-jax[gcs]'`).
+
+Writers are atomic on both. Locally a file or directory is written under a temporary name beside
+its target, then renamed into place. In an object store a rename is a copy, and there are no
+directories, only object names with slashes; but one object appears complete or not at all when
+its upload finishes. So a remote file is written locally, then uploaded as one object, and a
+remote directory is written locally, then uploaded file by file with its `marker` (a manifest)
+removed first and uploaded last: a reader that checks the marker never takes a half-uploaded
+directory for a complete one (with one writer at a time).
+
+Libraries that take local paths only (array_record, safetensors' files) get a local copy:
+`local_file` for one file, `local_dir` + `download_dir` / `upload_dir` for a directory mirrored
+between the work directory and a local cache (REALM_JAX_CACHE, default ~/.cache/realm_jax).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from etils import epath
+
+# The URI schemes that etils.epath sends to an object store rather than to `os`.
+REMOTE_PREFIXES = ("gs://", "s3://", "az://", "hf://")
+CACHE_ENV = "REALM_JAX_CACHE"
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+  """True for paths in an object store (gs://...), False for local paths."""
+  return os.fspath(path).startswith(REMOTE_PREFIXES)
+
+
+@functools.cache
+def _check_gcs_backend() -> None:
+  # etils.epath reads gs:// with tf.io.gfile when TensorFlow is importable and EPATH_USE_TF is not
+  # false; otherwise with fsspec, whose "gs" filesystem is gcsfs.
+  use_tf = os.environ.get("EPATH_USE_TF", "").lower() not in ("false", "no", "f", "0")
+  if use_tf and importlib.util.find_spec("tensorflow") is not None:
+    return
+  try:
+    import fsspec
+    import fsspec.config
+    fsspec.get_filesystem_class("gs")
+  except (ImportError, ValueError) as e:
+    raise ImportError(
+        f"gs:// paths need gcsfs (or TensorFlow), and neither is installed ({e}). Install it with "
+        "pip install 'realm-jax[gcs]', or use a local directory.") from None
+  # gcsfs caches directory listings, and would not see what other processes (the other hosts, the
+  # index refresher) write into the work directory. Set before epath makes its filesystem.
+  fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
+
+
+def as_path(path: str | os.PathLike) -> epath.Path:
+  """`path` as an `etils.epath.Path`; a clear error if it is a gs:// path without a backend."""
+  path = os.fspath(path)
+  if path.startswith("gs://"):
+    _check_gcs_backend()
+  return epath.Path(path)
+
+
+def absolute(path: str | os.PathLike) -> str:
+  """An absolute local path, or the remote path as it is (orbax wants absolute paths)."""
+  path = os.fspath(path)
+  return path if is_remote(path) else os.path.abspath(path)
+
+
+def local_dir(path: str | os.PathLike) -> str:
+  """Where a directory that local-only readers need is kept on this machine: `path` itself when
+  local, else `$REALM_JAX_CACHE/<scheme>/<bucket>/<path>` (default cache ~/.cache/realm_jax)."""
+  path = os.fspath(path)
+  if not is_remote(path):
+    return path
+  scheme, rest = path.split("://", 1)
+  cache = os.environ.get(CACHE_ENV) or os.path.join("~", ".cache", "realm_jax")
+  return os.path.join(os.path.expanduser(cache), scheme, rest.strip("/"))
 
 
 def _umask() -> int:
@@ -17,8 +92,19 @@ def _umask() -> int:
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-  """Calls `write(tmp_path)` on a temporary file beside `path`, then renames it to `path`."""
+  """Calls `write(tmp_path)` on a temporary local file, then puts it at `path` in one piece.
+
+  Locally the temporary file sits beside `path` and is renamed over it; for a remote `path` it is
+  uploaded as one object, which becomes visible only once whole.
+  """
   path = os.fspath(path)
+  if is_remote(path):
+    dest = as_path(path)
+    with tempfile.TemporaryDirectory(prefix="realm_jax-") as tmp:
+      local = os.path.join(tmp, dest.name)
+      write(local)
+      epath.Path(local).copy(dest, overwrite=True)
+    return
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path), dir=directory)
@@ -33,25 +119,55 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     raise
 
 
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+  """Writes `data` to `path` atomically (see `atomic_write`)."""
+  atomic_write(path, lambda tmp: epath.Path(tmp).write_bytes(data))
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+  write_bytes(path, text.encode("utf-8"))
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-  def write(tmp):
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(obj, f, indent=2)
-  atomic_write(path, write)
+  write_text(path, json.dumps(obj, indent=2))
 
 
 def read_json(path: str | os.PathLike) -> Any:
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  return json.loads(as_path(path).read_bytes())
 
 
-def atomic_write_dir(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-  """Calls `write(tmp_dir)` on a temporary directory beside `path`, then renames it to `path`.
+@contextlib.contextmanager
+def local_file(path: str | os.PathLike) -> Iterator[str]:
+  """A local path holding the file `path`: `path` itself when local, else a temporary download
+  (deleted on exit), for readers that take local paths only (safetensors' load_file)."""
+  path = os.fspath(path)
+  if not is_remote(path):
+    yield path
+    return
+  src = as_path(path)
+  with tempfile.TemporaryDirectory(prefix="realm_jax-") as tmp:
+    local = os.path.join(tmp, src.name)
+    src.copy(local)
+    yield local
 
-  Readers see either no directory or a complete one. An existing `path` is replaced: it is moved
-  aside first (so for a moment `path` does not exist), then deleted. A crash mid-write leaves only a
-  `.tmp-<name>-*` sibling, which readers should ignore and a later run may delete.
+
+def atomic_write_dir(path: str | os.PathLike, write: Callable[[str], None], *,
+                     marker: str) -> None:
+  """Calls `write(tmp_dir)` on a temporary local directory, then puts it at `path`.
+
+  Locally, readers see either no directory or a complete one: the temporary directory sits beside
+  `path` and is renamed over it. An existing `path` is moved aside first (so for a moment `path`
+  does not exist), then deleted. A crash mid-write leaves only a `.tmp-<name>-*` sibling, which
+  readers should ignore and a later run may delete.
+
+  For a remote `path` the files are uploaded with `upload_dir`: readers must treat the directory
+  as complete only once `marker` (a file that `write` makes, e.g. "manifest.json") exists.
   """
+  if is_remote(path):
+    with tempfile.TemporaryDirectory(prefix="realm_jax-") as tmp:
+      write(tmp)
+      upload_dir(tmp, path, marker=marker)
+    return
   path = os.path.abspath(os.fspath(path))
   parent, name = os.path.split(path)
   os.makedirs(parent, exist_ok=True)
@@ -71,18 +187,84 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[str], None]) -> N
     raise
 
 
-def iter_jsonl(path: str, what: str = "file"):
+def _read_or_none(path: epath.Path) -> bytes | None:
+  try:
+    return path.read_bytes()
+  except FileNotFoundError:
+    return None
+
+
+def list_files(path: str | os.PathLike) -> list[str]:
+  """Paths of the files under the directory `path` (local or remote), relative to it, recursively.
+  (Not `epath.Path.walk`: on fsspec it yields the gs:// paths without their gs://.)"""
+  out = []
+  for child in as_path(path).iterdir():
+    if child.is_dir():
+      out += [f"{child.name}/{rel}" for rel in list_files(child)]
+    else:
+      out.append(child.name)
+  return out
+
+
+def upload_dir(local: str | os.PathLike, path: str | os.PathLike, *, marker: str) -> None:
+  """Copies the local directory `local` to `path` (remote), `marker` last.
+
+  Nothing is done when `path/marker` already has the same bytes as `local/marker`. Otherwise
+  `path/marker` is deleted first, so that from then until the upload ends readers see an
+  incomplete directory; files of `path` that `local` does not have are left alone.
+  """
+  local, dest = os.fspath(local), as_path(path)
+  files = list_files(local)
+  if marker not in files:
+    raise FileNotFoundError(f"{local} has no {marker}: it is not a complete directory to upload.")
+  want = (epath.Path(local) / marker).read_bytes()
+  if _read_or_none(dest / marker) == want:
+    return
+  (dest / marker).unlink(missing_ok=True)
+  for rel in sorted(files, key=lambda f: f == marker):  # the marker last
+    epath.Path(local, rel).copy(dest / rel, overwrite=True)
+
+
+def download_dir(path: str | os.PathLike, local: str | os.PathLike, *, marker: str) -> bool:
+  """Makes the local directory `local` a copy of the complete remote directory `path`.
+
+  Returns False, doing nothing, when `path/marker` does not exist (`path` is absent or not
+  complete). Nothing is copied when `local/marker` already has the same bytes. The copy replaces
+  `local` atomically (`atomic_write_dir`).
+  """
+  src, local = as_path(path), os.fspath(local)
+  want = _read_or_none(src / marker)
+  if want is None:
+    return False
+  if _read_or_none(epath.Path(local, marker)) == want:
+    return True
+
+  def copy(tmp: str):
+    for rel in list_files(src):
+      if rel != marker:
+        os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
+        (src / rel).copy(os.path.join(tmp, rel))
+    # The marker read above: files uploaded before it belong to it (one writer at a time).
+    epath.Path(tmp, marker).write_bytes(want)
+
+  atomic_write_dir(local, copy, marker=marker)
+  return True
+
+
+def iter_jsonl(path: str | os.PathLike, what: str = "file"):
   """Yields (line number, parsed object) of a JSONL file, skipping blank lines.
 
   Raises errors that name the file and line: unreadable file, invalid UTF-8, invalid JSON.
   """
+  path = os.fspath(path)
+  # Asked first: tf.io.gfile reports a missing file only at the first read.
+  if not as_path(path).exists():
+    raise FileNotFoundError(f"{what.capitalize()} {path} does not exist.")
   try:
-    f = open(path, "rb")
-  except FileNotFoundError:
-    raise FileNotFoundError(f"{what.capitalize()} {path} does not exist.") from None
+    opened = as_path(path).open("rb")
   except OSError as e:
-    raise OSError(f"Cannot read {what} {path}: {e.strerror}.") from None
-  with f:
+    raise OSError(f"Cannot read {what} {path}: {e.strerror or e}.") from None
+  with opened as f:  # for tf.io.gfile, `open` gives a context manager, not the file
     for lineno, raw in enumerate(f, 1):
       try:
         line = raw.decode("utf-8")

@@ -75,7 +75,8 @@ def test_killed_run_resumes_to_bit_identical_parameters(tmp_path, data_dir, unin
   assert max(logged_steps(workdir)) < 6, "the run finished before it was killed"
   code, out = run(workdir, data_dir)
   assert code == 0, out[-3000:]
-  assert "Restored step" in out or kill_after < 2  # checkpoints every 2 steps
+  # Checkpoints every 2 steps (asynchronously): killed at step 2, the first may not be complete.
+  assert "Restored step" in out or kill_after <= 2
   got, want = final_params(workdir, 6), final_params(uninterrupted, 6)
   assert [p for p, _ in got] == [p for p, _ in want]
   for (path, a), (_, b) in zip(got, want):

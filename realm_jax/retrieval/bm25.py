@@ -152,7 +152,7 @@ class BM25Index:
         json.dump(self.vocab, f, ensure_ascii=False)
       write_json(os.path.join(tmp, MANIFEST), manifest)
 
-    atomic_write_dir(directory, write)
+    atomic_write_dir(directory, write, marker=MANIFEST)
 
   @classmethod
   def load(cls, directory: str | os.PathLike, *, k1: float | None = None,

@@ -12,8 +12,10 @@ top-k queries in one of three ways:
 
 Every searcher can exclude given block ids per query (REALM drops the block a masked sentence came
 from), and never returns padding rows. An index is saved as `index.safetensors` + `manifest.json`
-written into a temporary directory and renamed into place; `publish_index` / `latest_index_dir`
-keep a `LATEST` pointer next to numbered index directories for an asynchronously refreshed index.
+(locally: written into a temporary directory and renamed into place; on gs://: the manifest
+uploaded last, see realm_jax/io_utils.py), and counts as saved only once its manifest exists.
+`publish_index` / `latest_index_dir` keep a `LATEST` pointer next to numbered index directories for
+an asynchronously refreshed index.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from realm_jax.io_utils import atomic_write_dir, read_json, write_json
+from realm_jax.io_utils import as_path, atomic_write_dir, local_file, read_json, write_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -337,7 +339,8 @@ class DocIndex:
     """Writes `index.safetensors` and `manifest.json` into `directory`, atomically (replacing it).
 
     Args:
-      directory: where the index goes; it appears complete or not at all.
+      directory: where the index goes, local or gs://; it appears complete or not at all (on gs://
+        the manifest is uploaded after the arrays: an index without one is not complete).
       step: training step of the retriever that embedded the corpus.
       model_fingerprint: identifies those retriever weights.
       corpus_fingerprint: identifies the blocks (text and order); `load` can insist on it.
@@ -362,7 +365,7 @@ class DocIndex:
       save_file(arrays, os.path.join(tmp, ARRAYS))
       write_json(os.path.join(tmp, MANIFEST), manifest)
 
-    atomic_write_dir(directory, write)
+    atomic_write_dir(directory, write, marker=MANIFEST)
 
   @classmethod
   def load(cls, directory: str | os.PathLike, *, expected_dim: int | None = None,
@@ -387,7 +390,8 @@ class DocIndex:
                        f"{manifest['corpus_fingerprint']!r}, but corpus "
                        f"{expected_corpus_fingerprint!r} was expected: rebuild the index for "
                        "this corpus.")
-    arrays = load_file(os.path.join(directory, ARRAYS))
+    with local_file(os.path.join(directory, ARRAYS)) as path:  # load_file reads local files only
+      arrays = load_file(path)
     emb, ids = arrays.get("embeddings"), arrays.get("block_ids")
     if (emb is None or ids is None or emb.shape != (manifest["count"], manifest["dim"])
         or ids.shape != (manifest["count"],)):
@@ -402,7 +406,7 @@ class DocIndex:
 def read_manifest(directory: str | os.PathLike) -> dict:
   """The validated manifest of a saved index; a clear error if it is missing, corrupt or too new."""
   path = os.path.join(os.fspath(directory), MANIFEST)
-  if not os.path.exists(path):
+  if not as_path(path).exists():
     raise FileNotFoundError(f"{path} does not exist: {directory} is not a saved index (or its "
                             "write did not finish). Save one with DocIndex.save or publish_index.")
   try:
@@ -432,8 +436,9 @@ def publish_index(root: str | os.PathLike, index: DocIndex, step: int, *, model_
                   corpus_fingerprint: str, embeddings: np.ndarray | None = None) -> str:
   """Saves `index` as `root/index-{step:08d}`, then points `root/LATEST` at it; returns its path.
 
-  The index directory is complete before LATEST names it, and both are renamed into place, so a
-  reader that follows LATEST never sees a partial index. `embeddings`: see `DocIndex.save`.
+  The index directory is complete (manifest written last) before LATEST names it, and LATEST is
+  replaced in one piece, so a reader that follows LATEST never sees a partial index. `embeddings`:
+  see `DocIndex.save`.
   """
   path = index_path(root, step)
   name = os.path.basename(path)
@@ -447,11 +452,12 @@ def latest_index_dir(root: str | os.PathLike) -> str | None:
   """The index that `root/LATEST` names, or else the complete `index-*` of the highest step.
 
   LATEST wins over a higher step because a run resumed from an older checkpoint republishes an
-  older step on purpose. Temporary directories of interrupted writes are never returned; None if
-  there is no complete index.
+  older step on purpose. Only an index whose manifest is valid and whose arrays exist is returned:
+  never the temporary directory of an interrupted local write, nor an index directory whose
+  upload to gs:// has not finished (its manifest goes last). None if there is no complete index.
   """
   root = os.fspath(root)
-  if not os.path.isdir(root):
+  if not as_path(root).is_dir():
     return None
 
   def complete(name):
@@ -459,7 +465,7 @@ def latest_index_dir(root: str | os.PathLike) -> str | None:
       read_manifest(os.path.join(root, name))
     except (OSError, ValueError):
       return False
-    return os.path.exists(os.path.join(root, name, ARRAYS))
+    return as_path(os.path.join(root, name, ARRAYS)).exists()
 
   try:
     name = read_json(os.path.join(root, LATEST))["directory"]
@@ -467,7 +473,7 @@ def latest_index_dir(root: str | os.PathLike) -> str | None:
       return os.path.join(root, name)
   except (OSError, ValueError, KeyError, TypeError):
     pass
-  names = [d for d in os.listdir(root) if _INDEX_DIR.fullmatch(d)]
+  names = [p.name for p in as_path(root).iterdir() if _INDEX_DIR.fullmatch(p.name)]
   for name in sorted(names, key=lambda d: int(_INDEX_DIR.fullmatch(d)[1]), reverse=True):
     if complete(name):
       return os.path.join(root, name)

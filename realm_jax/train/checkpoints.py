@@ -2,19 +2,21 @@
 record (index version, config) saved together, asynchronously, keeping the last N.
 
 A run resumes from its work directory by itself: `restore_latest` returns the newest complete
-step (orbax finalises a step by an atomic rename, so a run killed while saving leaves at worst an
-ignored temporary directory).
+step (orbax finalises a step by an atomic rename, or in GCS by writing a commit_success file last,
+so a run killed while saving leaves at worst an ignored unfinished step). Orbax takes gs://
+directories itself: arrays through TensorStore's GCS driver, the rest through etils.epath.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import grain
 import grain.checkpoint  # noqa: F401
 import jax
 import orbax.checkpoint as ocp
+
+from realm_jax.io_utils import absolute
 
 
 def checkpoint_manager(directory: str, keep: int = 3, asynchronous: bool = True,
@@ -24,7 +26,7 @@ def checkpoint_manager(directory: str, keep: int = 3, asynchronous: bool = True,
     handlers["data"] = grain.checkpoint.CheckpointHandler()
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                          enable_async_checkpointing=asynchronous)
-  return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=handlers)
+  return ocp.CheckpointManager(absolute(directory), options=options, item_handlers=handlers)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, data_iterator=None,

@@ -35,13 +35,14 @@ from jax.sharding import PartitionSpec as P
 from realm_jax.checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
 from realm_jax.data.corpus import Corpus
 from realm_jax.data.pretrain import is_heldout
-from realm_jax.io_utils import atomic_write_dir
+from realm_jax.io_utils import as_path, atomic_write_dir
 from realm_jax.models.config import RealmConfig
 from realm_jax.models.retriever import RealmRetriever
 from realm_jax.retrieval.build import open_corpus
 from realm_jax.text import BertTokenizer, join_bert
 from realm_jax.train import checkpoints
 from realm_jax.train.init import overlay, sized_model_config
+from realm_jax.train.metrics_writer import MetricsWriter
 from realm_jax.train.optimizer import bert_adamw, bert_schedule
 from realm_jax.train.pretrain import (check_workdir_config, count_bad_steps,
                                       maybe_initialize_distributed)
@@ -281,14 +282,15 @@ def jit_steps(model: RealmRetriever, mesh: Mesh, dropout: bool = True):
 
 def export_retriever(directory: str, model_config: RealmConfig, params, vocab_file: str) -> None:
   """Writes `directory` as a HF REALM scorer (config.json, model.safetensors with `embedder` and
-  `query_embedder`, vocab.txt), atomically: readers see the old directory or the new one."""
+  `query_embedder`, vocab.txt), atomically: readers see the old directory or the new one (on gs://,
+  a directory whose config.json exists: it is uploaded last)."""
   params = jax.device_get(params)
 
   def write(tmp: str):
     save_hf_checkpoint(tmp, model_config, params, kind="retriever")
     shutil.copyfile(vocab_file, os.path.join(tmp, "vocab.txt"))
 
-  atomic_write_dir(directory, write)
+  atomic_write_dir(directory, write, marker="config.json")
   logging.info("Exported the ICT retriever to %s", directory)
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +307,7 @@ class ICTTrainer:
                        f"{jax.device_count()} devices: pick a multiple.")
     self.config, self.workdir = config, workdir
     self.export_dir = config.export_dir or os.path.join(workdir, "export")
-    os.makedirs(workdir, exist_ok=True)
+    as_path(workdir).mkdir(parents=True, exist_ok=True)
     check_workdir_config(config, workdir)
     self.model, self.model_config, self.vocab_file = build_retriever(config)
     self.tokenizer = BertTokenizer(self.vocab_file)
@@ -327,7 +329,7 @@ class ICTTrainer:
     self.manager = checkpoints.checkpoint_manager(os.path.join(workdir, "checkpoints"),
                                                   config.keep_checkpoints)
     self.train_iter = self._batches("train", config.seed)
-    self.writer = None
+    self.metrics = MetricsWriter(workdir)
     self.bad_steps = 0
 
   def _batches(self, split: str, seed: int, num_epochs=None):
@@ -362,16 +364,8 @@ class ICTTrainer:
     return {k: float(v) / n for k, v in sums.items()}
 
   def log(self, step: int, metrics: dict[str, float], prefix: str):
-    if jax.process_index() != 0:
-      return
-    if self.writer is None:
-      from tensorboardX import SummaryWriter
-      self.writer = SummaryWriter(os.path.join(self.workdir, "tb"))
-    for k, v in metrics.items():
-      self.writer.add_scalar(f"{prefix}/{k}", v, step)
-    self.writer.flush()
-    with open(os.path.join(self.workdir, "metrics.jsonl"), "a") as f:
-      f.write(json.dumps({"step": step, "split": prefix, **metrics}) + "\n")
+    if jax.process_index() == 0:
+      self.metrics.write(step, metrics, prefix)
 
   def restore(self) -> None:
     got = checkpoints.restore_latest(self.manager, self.state, self.train_iter)
@@ -387,8 +381,7 @@ class ICTTrainer:
       return self._run()
     finally:  # also on errors: let a checkpoint being written finish, so it is not lost
       self.manager.wait_until_finished()
-      if self.writer is not None:
-        self.writer.close()
+      self.metrics.close()
 
   def _run(self) -> dict[str, float]:
     from tqdm.auto import tqdm
@@ -398,7 +391,7 @@ class ICTTrainer:
     if start_step >= c.num_steps:
       logging.info("Nothing to do: the run in %s is at step %d of %d.", self.workdir, start_step,
                    c.num_steps)
-      if not os.path.isdir(self.export_dir):
+      if not as_path(os.path.join(self.export_dir, "config.json")).exists():
         self.export()
       return {}
     last_eval: dict[str, float] = {}

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 
-from realm_jax.io_utils import atomic_write
+from realm_jax.io_utils import as_path, atomic_write, iter_jsonl
 
 PANELS = (("loss", "marginal MLM loss"), ("accuracy", "masked-token accuracy"),
           ("retrieval_utility", "retrieval utility (nats/token)"),
@@ -13,11 +12,11 @@ PANELS = (("loss", "marginal MLM loss"), ("accuracy", "masked-token accuracy"),
 
 
 def read_metrics(path: str) -> list[dict]:
-  if not os.path.exists(path):
+  """The rows of a metrics.jsonl (local or gs://)."""
+  if not as_path(path).exists():
     raise FileNotFoundError(f"{path} does not exist: point at a run's work directory (it is "
                             "written while training).")
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return [row for _, row in iter_jsonl(path, "metrics file")]
 
 
 def plot_metrics(workdir: str, out_png: str | None = None) -> str:

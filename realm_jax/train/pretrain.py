@@ -5,8 +5,10 @@
       -> jitted train step (re-embeds query and candidates, marginal MLM loss, AdamW)
       -> metrics, TensorBoard, held-out evaluation, orbax checkpoints, index refresh.
 
-Everything lands in `workdir`: `data/` (corpus, examples), `index/` (published indexes),
-`checkpoints/` (state + data iterator + index version), `tb/` (TensorBoard), `metrics.jsonl`.
+Everything lands in `workdir`, a local directory or gs://BUCKET/PATH: `data/` (corpus, examples),
+`index/` (published indexes), `checkpoints/` (state + data iterator + index version), `tb/`
+(TensorBoard), `metrics.jsonl`. With a gs:// workdir the data is read from a local copy of `data/`
+(realm_jax/io_utils.py: local_dir), built or downloaded once per machine.
 Started again on the same workdir, a run resumes from its newest checkpoint by itself.
 """
 
@@ -26,11 +28,12 @@ from jax.sharding import PartitionSpec as P
 from realm_jax import distributed
 from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.pretrain import build_examples, pretrain_batches, special_ids
-from realm_jax.io_utils import read_json, write_json
+from realm_jax.io_utils import as_path, read_json, write_json
 from realm_jax.text import BertTokenizer
 from realm_jax.train import checkpoints, memory
 from realm_jax.train.candidates import CandidateBuilder, retrieve
 from realm_jax.train.init import build_models, init_params
+from realm_jax.train.metrics_writer import MetricsWriter
 from realm_jax.train.optimizer import bert_adamw, bert_schedule
 from realm_jax.train.realm_step import TrainState, eval_step, summarize, train_step
 from realm_jax.train.refresh import (REFRESH_MODES, AsyncIndexWatcher, DocumentEmbedder,
@@ -53,7 +56,7 @@ def maybe_initialize_distributed(enabled: bool) -> None:
 def check_workdir_config(config, workdir: str) -> None:
   path = os.path.join(workdir, "config.json")
   current = json.loads(config.to_json())
-  if os.path.exists(path):
+  if as_path(path).exists():
     old = read_json(path)
     diff = [k for k in _FIXED if old.get(k) != current.get(k)]
     if diff:
@@ -67,7 +70,7 @@ def check_workdir_config(config, workdir: str) -> None:
 
 def open_data(config, workdir: str, vocab_file: str):
   """(corpus, tokenizer, examples dir), building what is missing (on the first host; the others
-  wait for it, then open what it built)."""
+  wait for it, then open what it built, downloading their local copy when it is in gs://)."""
   return distributed.first_host_first(
       "realm_jax:open_data", lambda: _open_data(config, workdir, vocab_file))
 
@@ -114,7 +117,7 @@ class Trainer:
       raise ValueError(f"config.batch_size={config.batch_size} is not divisible by the "
                        f"{jax.device_count()} devices: pick a multiple.")
     self.config, self.workdir = config, workdir
-    os.makedirs(workdir, exist_ok=True)
+    as_path(workdir).mkdir(parents=True, exist_ok=True)
     check_workdir_config(config, workdir)
     self.models, self.model_config, vocab = build_models(config)
     self.corpus, self.tokenizer, self.examples_dir = open_data(config, workdir, vocab)
@@ -161,7 +164,7 @@ class Trainer:
         self.memory_estimate, config.slice.hbm_gib if config.get("slice") else 0.0))
     self.index, self.index_path = None, None
     self.watcher = None
-    self.writer = None
+    self.metrics = MetricsWriter(workdir)
     self.bad_steps = 0
 
   # ---------------------------------------------------------------------------------- data
@@ -200,7 +203,7 @@ class Trainer:
     from the current weights (ICT, MiniLM or random)."""
     dim = self.embedder_dim()
     distributed.sync("realm_jax:ensure_index")  # every host sees the same published indexes
-    path = path if path and os.path.isdir(path) else latest_index_dir(self.index_root)
+    path = path if path and as_path(path).is_dir() else latest_index_dir(self.index_root)
     if path is not None and index_step(path) <= int(self.state.step):
       self._set_index(load_index(path, self.corpus, dim, self.index_options), path)
     else:
@@ -242,16 +245,8 @@ class Trainer:
 
   # ---------------------------------------------------------------------------------- log
   def log(self, step: int, metrics: dict[str, float], prefix: str):
-    if jax.process_index() != 0:
-      return
-    if self.writer is None:
-      from tensorboardX import SummaryWriter
-      self.writer = SummaryWriter(os.path.join(self.workdir, "tb"))
-    for k, v in metrics.items():
-      self.writer.add_scalar(f"{prefix}/{k}", v, step)
-    self.writer.flush()
-    with open(os.path.join(self.workdir, "metrics.jsonl"), "a") as f:
-      f.write(json.dumps({"step": step, "split": prefix, **metrics}) + "\n")
+    if jax.process_index() == 0:
+      self.metrics.write(step, metrics, prefix)
 
   def save(self, step: int, force: bool = False):
     checkpoints.save(self.manager, step, self.state,
@@ -272,8 +267,7 @@ class Trainer:
       self.manager.wait_until_finished()
       if self.watcher is not None:
         self.watcher.close()
-      if self.writer is not None:
-        self.writer.close()
+      self.metrics.close()
 
   def _run(self) -> dict[str, float]:
     from tqdm.auto import tqdm

@@ -11,11 +11,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import time
 
 import jax
 import numpy as np
 
 from realm_jax import distributed
+from realm_jax.io_utils import is_remote
 from realm_jax.retrieval.embed import embed_in_buckets
 from realm_jax.retrieval.index import (DocIndex, index_path, latest_index_dir, publish_index,
                                        read_manifest)
@@ -82,7 +84,8 @@ class AsyncIndexWatcher:
   """Loads each newly published index in a background thread; `poll()` between steps swaps it in.
 
   Only complete indexes are ever seen (`latest_index_dir` ignores interrupted writes); an index
-  that fails to load is logged and the current one kept.
+  that fails to load is logged and the current one kept. In gs:// the index root is looked at
+  every `remote_look_every_s` seconds, not at every poll (each look is a few requests).
 
   With several hosts (`agree=True`) every host must search the same index (it is one array
   sharded over all of them), so `poll` is a collective: an index is swapped in only once every
@@ -91,9 +94,11 @@ class AsyncIndexWatcher:
   """
 
   def __init__(self, root: str, corpus, dim: int, index_options: dict, current_path: str | None,
-               agree: bool = False):
+               agree: bool = False, remote_look_every_s: float = 10.0):
     self.root, self.corpus, self.dim, self.options = root, corpus, dim, index_options
     self.current_path, self.agree = current_path, agree
+    self._look_every_s = remote_look_every_s if is_remote(root) else 0.0
+    self._next_look = 0.0
     self._pool = concurrent.futures.ThreadPoolExecutor(1)
     self._pending: tuple[str, concurrent.futures.Future] | None = None
     self._ready: tuple[DocIndex, str] | None = None
@@ -117,7 +122,8 @@ class AsyncIndexWatcher:
                         self.current_path)
         self._bad = path
       return
-    if self._ready is None:
+    if self._ready is None and time.monotonic() >= self._next_look:
+      self._next_look = time.monotonic() + self._look_every_s
       path = latest_index_dir(self.root)
       if path and path != self.current_path and path != self._bad:
         self._load(path)

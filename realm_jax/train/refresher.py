@@ -15,6 +15,7 @@ import time
 
 import orbax.checkpoint as ocp
 
+from realm_jax.io_utils import absolute, as_path
 from realm_jax.retrieval.index import latest_index_dir
 from realm_jax.train.init import build_models
 from realm_jax.train.pretrain import open_data
@@ -23,7 +24,7 @@ from realm_jax.train.refresh import DocumentEmbedder, index_step, refresh
 
 def read_retriever_params(checkpoint_dir: str, step: int) -> dict:
   """The retriever parameters of checkpoint `step` (host numpy), without the rest of the state."""
-  path = os.path.join(os.path.abspath(checkpoint_dir), str(step), "state")
+  path = os.path.join(absolute(checkpoint_dir), str(step), "state")
   restored = ocp.StandardCheckpointer().restore(path)
   try:
     return restored["params"]["retriever"]
@@ -47,8 +48,8 @@ def run_refresher(config, workdir: str, *, poll_seconds: float = 10.0,
   ckpt_dir = os.path.join(workdir, "checkpoints")
   published, idle_since, manager = 0, time.monotonic(), None
   while max_refreshes is None or published < max_refreshes:
-    if manager is None and os.path.isdir(ckpt_dir):
-      manager = ocp.CheckpointManager(os.path.abspath(ckpt_dir),
+    if manager is None and as_path(ckpt_dir).is_dir():
+      manager = ocp.CheckpointManager(absolute(ckpt_dir),
                                       options=ocp.CheckpointManagerOptions(read_only=True))
     if manager is not None:
       manager.reload()  # only finalised checkpoints count: a half-written one is invisible

@@ -1,0 +1,478 @@
+"""gs:// work directories through the same code as local ones, without a network.
+
+The `gcs` fixture serves gs:// with an in-memory object store that behaves like GCS where it
+matters: no directories (a "directory" is a name prefix), an object appears only when its upload
+ends, no appends, and no renames (on GCS a rename is a copy, which realm_jax must not count on).
+It is reached the way a TPU VM without TensorFlow reaches GCS: etils.epath -> fsspec -> the "gs"
+filesystem (gcsfs there, this fake here). Code that fell back to `os`/`open()` on a gs:// path
+would find nothing in the store (and would leave a local `gs:` folder, which the fixture checks).
+`test_tf_gfile_backend` takes epath's other gs:// road, tf.io.gfile (when TensorFlow is installed),
+over a local folder.
+"""
+
+import importlib
+import io
+import json
+import os
+import struct
+
+import fsspec
+import fsspec.config
+import jax
+import numpy as np
+import pytest
+from etils import epath
+from etils.epath import backend as epath_backend
+from etils.epath import gpath
+
+from realm_jax import io_utils
+from realm_jax.retrieval.index import DocIndex, latest_index_dir, publish_index, read_manifest
+
+BUCKET = "gs://bucket"
+
+
+class _Upload(io.BytesIO):
+  """A GCS upload: the object appears (whole) when the file is closed."""
+
+  def __init__(self, store: dict, key: str):
+    super().__init__()
+    self._store, self._key = store, key
+
+  def close(self):
+    if not self.closed:
+      self._store[self._key] = self.getvalue()
+    super().close()
+
+
+class FakeGCS(fsspec.AbstractFileSystem):
+  """fsspec's "gs" protocol over a dict {"bucket/name": bytes}."""
+
+  protocol = ("gs", "gcs")
+  cachable = False
+  store: dict[str, bytes] = {}
+
+  def __init__(self, *args, finalize_on_close=True, **kwargs):
+    del finalize_on_close  # gcsfs's option, which epath passes
+    super().__init__(*args, **kwargs)
+    type(self).options = kwargs
+
+  def _children(self, path):
+    prefix = path.rstrip("/") + "/"
+    files, dirs = [], set()
+    for key, data in self.store.items():
+      if key.startswith(prefix):
+        head, sep, _ = key[len(prefix):].partition("/")
+        if sep:
+          dirs.add(prefix + head)
+        else:
+          files.append({"name": key, "size": len(data), "type": "file"})
+    return files + [{"name": d, "size": 0, "type": "directory"} for d in sorted(dirs)]
+
+  def ls(self, path, detail=True, **kwargs):
+    path = self._strip_protocol(path)
+    if path in self.store:
+      out = [self.info(path)]
+    else:
+      out = self._children(path)
+      if not out and "/" in path:
+        raise FileNotFoundError(path)
+    return out if detail else [o["name"] for o in out]
+
+  def info(self, path, **kwargs):
+    path = self._strip_protocol(path)
+    if path in self.store:
+      return {"name": path, "size": len(self.store[path]), "type": "file"}
+    if "/" not in path or self._children(path):  # a bucket, or a prefix of some object
+      return {"name": path, "size": 0, "type": "directory"}
+    raise FileNotFoundError(path)
+
+  def _open(self, path, mode="rb", **kwargs):
+    path = self._strip_protocol(path)
+    if mode == "rb":
+      if path not in self.store:
+        raise FileNotFoundError(path)
+      return io.BytesIO(self.store[path])
+    if mode == "wb":
+      return _Upload(self.store, path)
+    raise NotImplementedError(f"{mode!r}: GCS objects cannot be appended to or updated.")
+
+  def mkdir(self, path, create_parents=True, **kwargs):
+    pass  # as gcsfs below a bucket: there are no directories
+
+  def makedirs(self, path, exist_ok=False):
+    pass
+
+  def rmdir(self, path):
+    pass
+
+  def rm_file(self, path):
+    path = self._strip_protocol(path)
+    if path in self.store:
+      del self.store[path]
+    elif not self._children(path):
+      raise FileNotFoundError(path)
+
+  def mv(self, path1, path2, **kwargs):
+    raise AssertionError(f"rename {path1} -> {path2}: on GCS a rename is a copy, not atomic.")
+
+  def cp_file(self, path1, path2, **kwargs):
+    self.store[self._strip_protocol(path2)] = self.store[self._strip_protocol(path1)]
+
+
+def _clear_backend_caches():
+  gpath._is_tf_installed.cache_clear()
+  epath_backend._FileSystemSpecBackend._get_filesystem.cache_clear()
+  io_utils._check_gcs_backend.cache_clear()
+
+
+@pytest.fixture
+def gcs(monkeypatch, tmp_path):
+  """The fake store (dict), served for gs://; the local cache and the working directory in
+  tmp_path."""
+  monkeypatch.setenv("EPATH_USE_TF", "false")  # the fsspec path, as on a TPU VM without TF
+  registry = importlib.import_module("fsspec.registry")._registry
+  for name in FakeGCS.protocol:
+    monkeypatch.setitem(registry, name, FakeGCS)
+  monkeypatch.setattr(FakeGCS, "store", {})
+  monkeypatch.setattr(fsspec.config, "conf", {})  # io_utils sets gcsfs options there
+  monkeypatch.setenv(io_utils.CACHE_ENV, str(tmp_path / "cache"))
+  (tmp_path / "cwd").mkdir()
+  monkeypatch.chdir(tmp_path / "cwd")
+  _clear_backend_caches()
+  yield FakeGCS.store
+  _clear_backend_caches()
+  assert os.listdir(tmp_path / "cwd") == [], "something wrote a gs:// path to the local disk"
+
+
+def _keys(store, prefix):
+  return sorted(k[len(prefix):] for k in store if k.startswith(prefix))
+
+
+def test_files_round_trip(gcs):
+  path = f"{BUCKET}/w/sub/obj.json"
+  io_utils.write_json(path, {"a": [1, 2]})
+  assert json.loads(gcs["bucket/w/sub/obj.json"]) == {"a": [1, 2]}
+  # Other processes write the work directory: no stale listings from gcsfs's cache.
+  assert FakeGCS.options.get("use_listings_cache") is False
+  assert io_utils.read_json(path) == {"a": [1, 2]}
+  io_utils.write_json(path, {"a": 3})  # replaced in one piece
+  assert io_utils.read_json(path) == {"a": 3}
+
+  io_utils.write_text(f"{BUCKET}/w/rows.jsonl", '{"x": 1}\n\n{"x": 2}\n')
+  assert list(io_utils.iter_jsonl(f"{BUCKET}/w/rows.jsonl")) == [(1, {"x": 1}), (3, {"x": 2})]
+  io_utils.write_text(f"{BUCKET}/w/bad.jsonl", '{"x": 1}\n{"x": \n')
+  with pytest.raises(ValueError, match=r"gs://bucket/w/bad.jsonl:2: not valid JSON"):
+    list(io_utils.iter_jsonl(f"{BUCKET}/w/bad.jsonl"))
+  with pytest.raises(FileNotFoundError, match="File gs://bucket/w/none.jsonl does not exist"):
+    list(io_utils.iter_jsonl(f"{BUCKET}/w/none.jsonl"))
+
+  with io_utils.local_file(path) as local:  # for readers of local files only
+    assert not io_utils.is_remote(local) and json.load(open(local)) == {"a": 3}
+  assert not os.path.exists(local)
+  assert io_utils.local_dir(f"{BUCKET}/w/data") == os.path.join(
+      os.environ[io_utils.CACHE_ENV], "gs", "bucket", "w", "data")
+  assert io_utils.absolute(f"{BUCKET}/w") == f"{BUCKET}/w"
+
+
+def test_directory_upload_puts_the_marker_last_and_download_mirrors_it(gcs, tmp_path,
+                                                                        monkeypatch):
+  uploaded = []
+  close = _Upload.close
+  monkeypatch.setattr(_Upload, "close", lambda f: (uploaded.append(f._key), close(f)))
+
+  def write(tmp):
+    os.makedirs(os.path.join(tmp, "sub"))
+    for name in ("b.bin", "manifest.json", "a.bin", "sub/c.bin"):
+      with open(os.path.join(tmp, name), "w") as f:
+        f.write(name)
+
+  io_utils.atomic_write_dir(f"{BUCKET}/w/d", write, marker="manifest.json")
+  assert uploaded[-1] == "bucket/w/d/manifest.json"
+  assert _keys(gcs, "bucket/w/d/") == ["a.bin", "b.bin", "manifest.json", "sub/c.bin"]
+
+  local = str(tmp_path / "mirror")
+  assert io_utils.download_dir(f"{BUCKET}/w/d", local, marker="manifest.json")
+  assert sorted(io_utils.list_files(local)) == ["a.bin", "b.bin", "manifest.json", "sub/c.bin"]
+  assert open(os.path.join(local, "sub", "c.bin")).read() == "sub/c.bin"
+  # Without its marker a remote directory is not complete: nothing to download.
+  del gcs["bucket/w/d/manifest.json"]
+  assert not io_utils.download_dir(f"{BUCKET}/w/d", str(tmp_path / "other"), marker="manifest.json")
+  assert not os.path.exists(tmp_path / "other")
+  io_utils.upload_dir(local, f"{BUCKET}/w/d", marker="manifest.json")
+  assert gcs["bucket/w/d/manifest.json"] == b"manifest.json"
+
+
+def test_index_publish_latest_load_round_trip(gcs, monkeypatch):
+  rng = np.random.default_rng(0)
+  emb = rng.normal(size=(20, 8)).astype(np.float32)
+  ids = rng.choice(2**40, 20, replace=False).astype(np.int64)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  index = DocIndex(emb, ids, mesh=mesh)
+  root = f"{BUCKET}/w/index"
+  assert latest_index_dir(root) is None
+  path = publish_index(root, index, 3, model_fingerprint="m", corpus_fingerprint="c")
+  assert path == f"{root}/index-00000003"
+  assert _keys(gcs, "bucket/w/index/") == ["LATEST", "index-00000003/index.safetensors",
+                                           "index-00000003/manifest.json"]
+  assert latest_index_dir(root) == path and read_manifest(path)["step"] == 3
+
+  loaded = DocIndex.load(path, expected_dim=8, expected_corpus_fingerprint="c", mesh=mesh)
+  np.testing.assert_array_equal(loaded.embeddings(), emb)
+  np.testing.assert_array_equal(loaded.block_ids, ids)
+  q = rng.normal(size=(4, 8)).astype(np.float32)
+  for a, b in zip(loaded.search(q, 5), index.search(q, 5)):
+    np.testing.assert_array_equal(a, b)
+
+  # An upload cut short (arrays there, manifest not yet) is never returned, with or without LATEST.
+  publish_index(root, index, 5, model_fingerprint="m", corpus_fingerprint="c")
+  del gcs["bucket/w/index/index-00000005/manifest.json"]
+  assert latest_index_dir(root) == path
+  del gcs["bucket/w/index/LATEST"]
+  assert latest_index_dir(root) == path
+  # Republishing a step replaces it: the old manifest goes first, the new one comes last.
+  publish_index(root, index, 5, model_fingerprint="m", corpus_fingerprint="c")
+  manifest = "bucket/w/index/index-00000005/manifest.json"
+  seen = []
+  close = _Upload.close
+  monkeypatch.setattr(_Upload, "close",
+                      lambda f: (seen.append((f._key, manifest in gcs)), close(f)))
+  publish_index(root, index, 5, model_fingerprint="m2", corpus_fingerprint="c")
+  assert ("bucket/w/index/index-00000005/index.safetensors", False) in seen
+  assert latest_index_dir(root) == f"{root}/index-00000005"
+  assert read_manifest(f"{root}/index-00000005")["model_fingerprint"] == "m2"
+
+
+def test_async_watcher_looks_at_a_gs_root_every_few_seconds(gcs, monkeypatch):
+  from realm_jax.train import refresh
+  looks = []
+  monkeypatch.setattr(refresh, "latest_index_dir", looks.append)  # finds nothing, each time
+  for root, expected in ((f"{BUCKET}/w/index", 1), ("work/index", 5)):
+    looks.clear()
+    watcher = refresh.AsyncIndexWatcher(root, None, 8, {}, None)
+    assert [watcher.poll() for _ in range(5)] == [None] * 5
+    assert len(looks) == expected, root
+    watcher.close()
+
+
+def _tb_scalars(data: bytes):
+  """(tag, step, value) of a TensorBoard event file's scalars."""
+  from tensorboardX.proto import event_pb2
+  out, pos = [], 0
+  while pos < len(data):
+    (length,) = struct.unpack("Q", data[pos:pos + 8])
+    event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+    pos += 12 + length + 4
+    out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+  return out
+
+
+def test_metrics_writer_rewrites_instead_of_appending_and_resumes(gcs):
+  from realm_jax.train.metrics_writer import MetricsWriter
+  workdir = f"{BUCKET}/run"
+  writer = MetricsWriter(workdir)
+  writer.write(1, {"loss": 2.0}, "train")
+  writer.write(2, {"loss": 1.5}, "train")
+  writer.close()
+  resumed = MetricsWriter(workdir)  # a resumed run continues the same history
+  resumed.write(3, {"loss": 1.0}, "heldout")
+  resumed.close()
+  rows = [row for _, row in io_utils.iter_jsonl(f"{workdir}/metrics.jsonl")]
+  assert rows == [{"step": 1, "split": "train", "loss": 2.0},
+                  {"step": 2, "split": "train", "loss": 1.5},
+                  {"step": 3, "split": "heldout", "loss": 1.0}]
+  events = [k for k in gcs if k.startswith("bucket/run/tb/events.out.tfevents.")]
+  assert len(events) == 2  # one file per run, as locally
+  scalars = sorted(s for k in events for s in _tb_scalars(gcs[k]))
+  assert scalars == [("heldout/loss", 3, 1.0), ("train/loss", 1, 2.0), ("train/loss", 2, 1.5)]
+
+
+def test_plot_reads_and_writes_gs(gcs):
+  pytest.importorskip("matplotlib")
+  from realm_jax.train.plot import plot_metrics
+  io_utils.write_text(f"{BUCKET}/run/metrics.jsonl", "".join(
+      json.dumps({"step": s, "split": "train", "loss": 1.0 / s, "accuracy": 0.1 * s,
+                  "null_accuracy": 0.05 * s, "retrieval_utility": 0.01 * s,
+                  "retrieval_entropy": 1.0}) + "\n" for s in (1, 2, 3)))
+  assert plot_metrics(f"{BUCKET}/run") == f"{BUCKET}/run/curves.png"
+  assert gcs["bucket/run/curves.png"].startswith(b"\x89PNG")
+
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",", "paris", "is", "the", "capital",
+         "of", "france", "lyon", "a", "city", "in", "berlin", "germany", "river", "seine", "rhine",
+         "on", "near", "and", "big"]
+CITIES = [("Paris", "France", "Seine"), ("Lyon", "France", "Rhine"), ("Berlin", "Germany", "Rhine")]
+
+
+def _docs(n=40):
+  docs = []
+  for i in range(n):
+    city, country, river = CITIES[i % 3]
+    other = CITIES[(i // 3) % 3]
+    text = (f"The city of {city} is in {country}. A big river near {city} is the {river}. "
+            f"The {other[2]} is a river in {other[1]}, near {other[0]}.")
+    docs.append({"title": f"{city} {i}", "text": text})
+  return docs
+
+
+@pytest.fixture
+def corpus_setup(gcs, tmp_path):
+  """A JSONL corpus in the store and a vocabulary on the local disk (as the model's is)."""
+  pytest.importorskip("tensorflow_datasets")
+  vocab = tmp_path / "vocab.txt"
+  vocab.write_text("\n".join(WORDS) + "\n")
+  gcs["bucket/corpus/part-0.jsonl"] = "".join(json.dumps(d) + "\n" for d in _docs()).encode()
+  return str(vocab)
+
+
+def test_corpus_and_examples_in_a_gs_data_dir(gcs, corpus_setup, tmp_path, monkeypatch):
+  from realm_jax.data.corpus import Corpus, CorpusConfig, RealmBlocks
+  from realm_jax.data.pretrain import build_examples, pretrain_batches, special_ids
+  from realm_jax.data.sources import jsonl_files
+  from realm_jax.text import BertTokenizer
+  tok = BertTokenizer(corpus_setup)
+  config = CorpusConfig(source="jsonl", paths=(f"{BUCKET}/corpus",), vocab_file=corpus_setup,
+                        block_length=32)
+  data = f"{BUCKET}/w/data"
+  assert jsonl_files([f"{BUCKET}/corpus/*.jsonl"]) == jsonl_files([f"{BUCKET}/corpus"]) == [
+      f"{BUCKET}/corpus/part-0.jsonl"]
+  corpus = Corpus.build(f"{data}/corpus", config)
+  built = _keys(gcs, "bucket/w/data/corpus/")
+  assert any(k.endswith("/dataset_info.json") for k in built)
+  assert any(k.endswith("/block_ids.safetensors") for k in built)
+  assert any(".array_record" in k for k in built)
+  examples = f"{data}/examples"
+  kw = dict(query_length=24, max_masked=4, tagger="regex", heldout_percent=50)
+  manifest = build_examples(corpus, tok, examples, **kw)
+  assert _keys(gcs, "bucket/w/data/examples/") == [
+      "heldout.array_record", "manifest.json", "train.array_record"]
+  assert manifest["examples"]["train"] >= 4
+
+  # Another host (or a fresh VM): an empty local cache gets the work directory's copies, without
+  # building anything again.
+  monkeypatch.setenv(io_utils.CACHE_ENV, str(tmp_path / "cache2"))
+  monkeypatch.setattr(RealmBlocks, "_generate_examples",
+                      lambda self: pytest.fail("rebuilt the corpus instead of downloading it"))
+  again = Corpus.build(f"{data}/corpus", config)
+  assert again.data_dir.startswith(str(tmp_path / "cache2"))
+  np.testing.assert_array_equal(again.block_ids, corpus.block_ids)
+  assert again[3]["body"] == corpus[3]["body"]
+  monkeypatch.setattr("realm_jax.data.pretrain._example",
+                      lambda *a: pytest.fail("rebuilt the examples instead of downloading them"))
+  assert build_examples(again, tok, examples, **kw) == manifest
+  batch = next(pretrain_batches(examples, "train", batch_size=4, seed=0, query_length=24,
+                                max_masked=4, tokenizer_ids=special_ids(tok)))
+  assert batch["input_ids"].shape == (4, 24)
+
+
+class _LocalTfBackend(epath_backend._TfBackend):
+  """epath's tf.io.gfile backend with gs://bucket/... mapped to a local folder: TensorFlow's file
+  API (lazy errors, `open` as a context manager) without a network; not GCS's semantics."""
+
+  def __init__(self, root: str):
+    self._root = root
+
+  def _map(self, path, write=False):
+    path = os.fspath(path)
+    if not path.startswith("gs://"):
+      return path
+    local = os.path.join(self._root, path[len("gs://"):])
+    if write:  # objects need no parent directories
+      os.makedirs(os.path.dirname(local), exist_ok=True)
+    return local
+
+  def open(self, path, mode):
+    return super().open(self._map(path, write="r" not in mode), mode)
+
+  def exists(self, path):
+    return super().exists(self._map(path))
+
+  def isdir(self, path):
+    return super().isdir(self._map(path))
+
+  def listdir(self, path):
+    return super().listdir(self._map(path))
+
+  def glob(self, path):
+    return ["gs://" + os.path.relpath(p, self._root) for p in super().glob(self._map(path))]
+
+  def makedirs(self, path, **kwargs):
+    return super().makedirs(self._map(path), **kwargs)
+
+  def mkdir(self, path, **kwargs):
+    return super().mkdir(self._map(path), **kwargs)
+
+  def rmtree(self, path):
+    return super().rmtree(self._map(path))
+
+  def remove(self, path):
+    return super().remove(self._map(path))
+
+  def rename(self, path, dst):
+    raise AssertionError(f"rename {path} -> {dst}: on GCS a rename is a copy, not atomic.")
+
+  replace = rename
+
+  def copy(self, path, dst, overwrite):
+    return super().copy(self._map(path), self._map(dst, write=True), overwrite)
+
+  def stat(self, path):
+    return super().stat(self._map(path))
+
+
+def test_tf_gfile_backend(monkeypatch, tmp_path):
+  """The same round trips through epath's TensorFlow backend (used when TensorFlow is installed)."""
+  pytest.importorskip("tensorflow")
+  root = tmp_path / "tf-gs"
+  fake = _LocalTfBackend(str(root))
+  monkeypatch.delenv("EPATH_USE_TF", raising=False)
+  monkeypatch.setattr(epath_backend, "tf_backend", fake)
+  monkeypatch.setattr(gpath, "_GCS_BACKENDS", frozenset({fake, epath_backend.fsspec_backend}))
+  monkeypatch.setenv(io_utils.CACHE_ENV, str(tmp_path / "cache"))
+  (tmp_path / "cwd").mkdir()
+  monkeypatch.chdir(tmp_path / "cwd")
+  _clear_backend_caches()
+  try:
+    io_utils.write_text(f"{BUCKET}/w/rows.jsonl", '{"x": 1}\n')
+    assert (root / "bucket/w/rows.jsonl").read_text() == '{"x": 1}\n'
+    assert list(io_utils.iter_jsonl(f"{BUCKET}/w/rows.jsonl")) == [(1, {"x": 1})]
+    with pytest.raises(FileNotFoundError, match="gs://bucket/w/none.jsonl does not exist"):
+      list(io_utils.iter_jsonl(f"{BUCKET}/w/none.jsonl"))
+
+    emb = np.arange(24, dtype=np.float32).reshape(6, 4)
+    index = DocIndex(emb, np.arange(6) * 7, mesh=jax.sharding.Mesh(np.array(jax.devices()[:2]),
+                                                                   ("data",)))
+    path = publish_index(f"{BUCKET}/w/index", index, 2, model_fingerprint="m",
+                         corpus_fingerprint="c")
+    assert latest_index_dir(f"{BUCKET}/w/index") == path
+    np.testing.assert_array_equal(DocIndex.load(path).embeddings(), emb)
+    assert io_utils.download_dir(path, str(tmp_path / "copy"), marker="manifest.json")
+    assert sorted(os.listdir(tmp_path / "copy")) == ["index.safetensors", "manifest.json"]
+
+    from realm_jax.train.metrics_writer import MetricsWriter
+    for step in (1, 2):
+      writer = MetricsWriter(f"{BUCKET}/run")
+      writer.write(step, {"loss": 1.0 / step}, "train")
+      writer.close()
+    assert [r["step"] for _, r in io_utils.iter_jsonl(f"{BUCKET}/run/metrics.jsonl")] == [1, 2]
+    assert len(os.listdir(root / "bucket/run/tb")) == 2
+  finally:
+    _clear_backend_caches()
+  assert os.listdir(tmp_path / "cwd") == []
+
+
+def test_missing_gs_backend_is_a_clear_error(monkeypatch):
+  monkeypatch.setenv("EPATH_USE_TF", "false")
+
+  def no_gcsfs(protocol):
+    raise ImportError("Install gcsfs to access Google Storage")
+
+  monkeypatch.setattr(fsspec, "get_filesystem_class", no_gcsfs)
+  _clear_backend_caches()
+  try:
+    with pytest.raises(ImportError, match=r"pip install 'realm-jax\[gcs\]'"):
+      io_utils.read_json("gs://bucket/w/config.json")
+    with pytest.raises(ImportError, match=r"realm-jax\[gcs\]"):
+      latest_index_dir("gs://bucket/w/index")
+    assert io_utils.as_path("work/local") == epath.Path("work/local")  # local paths need nothing
+  finally:
+    _clear_backend_caches()
