@@ -13,7 +13,8 @@ directory for a complete one (with one writer at a time).
 
 Libraries that take local paths only (array_record, safetensors' files) get a local copy:
 `local_file` for one file, `local_dir` + `download_dir` / `upload_dir` for a directory mirrored
-between the work directory and a local cache (REALM_JAX_CACHE, default ~/.cache/realm_jax).
+between the work directory and a local cache (REALM_JAX_CACHE, default ~/.cache/realm_jax), and
+`local_copy_of_dir` for a directory that is only read (model weights).
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ def list_files(path: str | os.PathLike) -> list[str]:
 def upload_dir(local: str | os.PathLike, path: str | os.PathLike, *, marker: str) -> None:
   """Copies the local directory `local` to `path` (remote), `marker` last.
 
-  Nothing is done when `path/marker` already has the same bytes as `local/marker`. Otherwise
+  Nothing is done when `path/marker` already has the same bytes as `local/marker` (a manifest
+  that names the contents; delete `path/marker` first to force the upload). Otherwise
   `path/marker` is deleted first, so that from then until the upload ends readers see an
   incomplete directory; files of `path` that `local` does not have are left alone.
   """
@@ -249,6 +251,49 @@ def download_dir(path: str | os.PathLike, local: str | os.PathLike, *, marker: s
 
   atomic_write_dir(local, copy, marker=marker)
   return True
+
+
+# In a local copy made by `local_copy_of_dir`: what the remote files were when it was made.
+_SOURCE_STAMP = ".realm_jax_source.json"
+
+
+def local_copy_of_dir(path: str | os.PathLike, *, marker: str, what: str = "Directory") -> str:
+  """A local directory with the files of the directory `path`, for readers of local files only.
+
+  `path` itself when local. For a remote `path`: its copy in the local cache (`local_dir`),
+  downloaded unless the copy there was made from the same remote files (names, sizes, modification
+  times): a marker such as a checkpoint's config.json stays the same when new weights replace the
+  old ones beside it, so the marker's bytes alone (`download_dir`) cannot tell.
+
+  Raises:
+    FileNotFoundError naming `path` (`what` says what it should be) when it does not exist or
+    has no `marker`, i.e. is not complete.
+  """
+  path = os.fspath(path)
+  if not is_remote(path):
+    return path
+  src = as_path(path)
+  files = sorted(list_files(path)) if src.is_dir() else []
+  if not files:
+    raise FileNotFoundError(f"{what} {path} does not exist (or is empty): check the path.")
+  if marker not in files:
+    raise FileNotFoundError(
+        f"{what} {path} has no {marker}, so it is not complete: an upload still under way or cut "
+        f"short, or not the right directory. Upload its files with {marker} last.")
+  rows = []
+  for rel in files:
+    st = (src / rel).stat()
+    rows.append([rel, st.length, st.mtime])
+  stamp = json.dumps(rows).encode()
+  local = local_dir(path)
+  if _read_or_none(epath.Path(local, _SOURCE_STAMP)) != stamp:
+    # Without its marker the old copy is incomplete: `download_dir` replaces all of it.
+    epath.Path(local, marker).unlink(missing_ok=True)
+    if not download_dir(path, local, marker=marker):
+      raise FileNotFoundError(f"{what} {path} lost its {marker} during the download: it is being "
+                              "rewritten. Try again once that has finished.")
+    epath.Path(local, _SOURCE_STAMP).write_bytes(stamp)
+  return local
 
 
 def iter_jsonl(path: str | os.PathLike, what: str = "file"):

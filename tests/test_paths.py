@@ -2,8 +2,8 @@
 
 The `gcs` fixture serves gs:// with an in-memory object store that behaves like GCS where it
 matters: no directories (a "directory" is a name prefix), an object appears only when its upload
-ends, no appends, and no renames (on GCS a rename is a copy, which realm_jax must not count on).
-It is reached the way a TPU VM without TensorFlow reaches GCS: etils.epath -> fsspec -> the "gs"
+ends (which sets its modification time), no appends, and no renames (on GCS a rename is a copy,
+which realm_jax must not count on). It is reached the way a TPU VM without TensorFlow reaches GCS: etils.epath -> fsspec -> the "gs"
 filesystem (gcsfs there, this fake here). Code that fell back to `os`/`open()` on a gs:// path
 would find nothing in the store (and would leave a local `gs:` folder, which the fixture checks).
 `test_tf_gfile_backend` takes epath's other gs:// road, tf.io.gfile (when TensorFlow is installed),
@@ -16,6 +16,7 @@ import json
 import os
 import struct
 
+import chex
 import fsspec
 import fsspec.config
 import jax
@@ -34,13 +35,13 @@ BUCKET = "gs://bucket"
 class _Upload(io.BytesIO):
   """A GCS upload: the object appears (whole) when the file is closed."""
 
-  def __init__(self, store: dict, key: str):
+  def __init__(self, fs: "FakeGCS", key: str):
     super().__init__()
-    self._store, self._key = store, key
+    self._fs, self._key = fs, key
 
   def close(self):
     if not self.closed:
-      self._store[self._key] = self.getvalue()
+      self._fs.put_object(self._key, self.getvalue())
     super().close()
 
 
@@ -50,6 +51,11 @@ class FakeGCS(fsspec.AbstractFileSystem):
   protocol = ("gs", "gcs")
   cachable = False
   store: dict[str, bytes] = {}
+  updated: dict[str, int] = {}  # GCS's "updated" time of each object: here, an upload counter
+
+  def put_object(self, key, data):
+    self.store[key] = data
+    self.updated[key] = max(self.updated.values(), default=0) + 1
 
   def __init__(self, *args, finalize_on_close=True, **kwargs):
     del finalize_on_close  # gcsfs's option, which epath passes
@@ -81,7 +87,8 @@ class FakeGCS(fsspec.AbstractFileSystem):
   def info(self, path, **kwargs):
     path = self._strip_protocol(path)
     if path in self.store:
-      return {"name": path, "size": len(self.store[path]), "type": "file"}
+      return {"name": path, "size": len(self.store[path]), "type": "file",
+              "mtime": self.updated.get(path, 0)}
     if "/" not in path or self._children(path):  # a bucket, or a prefix of some object
       return {"name": path, "size": 0, "type": "directory"}
     raise FileNotFoundError(path)
@@ -93,7 +100,7 @@ class FakeGCS(fsspec.AbstractFileSystem):
         raise FileNotFoundError(path)
       return io.BytesIO(self.store[path])
     if mode == "wb":
-      return _Upload(self.store, path)
+      return _Upload(self, path)
     raise NotImplementedError(f"{mode!r}: GCS objects cannot be appended to or updated.")
 
   def mkdir(self, path, create_parents=True, **kwargs):
@@ -116,7 +123,7 @@ class FakeGCS(fsspec.AbstractFileSystem):
     raise AssertionError(f"rename {path1} -> {path2}: on GCS a rename is a copy, not atomic.")
 
   def cp_file(self, path1, path2, **kwargs):
-    self.store[self._strip_protocol(path2)] = self.store[self._strip_protocol(path1)]
+    self.put_object(self._strip_protocol(path2), self.store[self._strip_protocol(path1)])
 
 
 def _clear_backend_caches():
@@ -134,6 +141,7 @@ def gcs(monkeypatch, tmp_path):
   for name in FakeGCS.protocol:
     monkeypatch.setitem(registry, name, FakeGCS)
   monkeypatch.setattr(FakeGCS, "store", {})
+  monkeypatch.setattr(FakeGCS, "updated", {})
   monkeypatch.setattr(fsspec.config, "conf", {})  # io_utils sets gcsfs options there
   monkeypatch.setenv(io_utils.CACHE_ENV, str(tmp_path / "cache"))
   (tmp_path / "cwd").mkdir()
@@ -362,6 +370,120 @@ def test_corpus_and_examples_in_a_gs_data_dir(gcs, corpus_setup, tmp_path, monke
   batch = next(pretrain_batches(examples, "train", batch_size=4, seed=0, query_length=24,
                                 max_masked=4, tokenizer_ids=special_ids(tok)))
   assert batch["input_ids"].shape == (4, 24)
+
+
+def _tiny_scorer(directory, seed=0):
+  """A tiny HF REALM scorer with separate towers and a vocab.txt (what the ICT export holds),
+  saved with realm_jax's own writer; returns (config, params)."""
+  from realm_jax.checkpoints import save_hf_checkpoint
+  from realm_jax.checkpoints.hf import abstract_params
+  from realm_jax.models import tiny_config
+  config = tiny_config(vocab_size=len(WORDS), num_hidden_layers=1)
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(lambda s: rng.normal(0, 0.2, s.shape).astype(np.float32),
+                        abstract_params("retriever", config, share_embedders=False))
+  save_hf_checkpoint(directory, config, params, "retriever")
+  io_utils.write_text(f"{directory}/vocab.txt", "\n".join(WORDS) + "\n")
+  return config, params
+
+
+def test_hf_checkpoint_in_gs_loads_as_the_local_one(gcs, tmp_path, monkeypatch):
+  from realm_jax.checkpoints import load_hf_checkpoint
+  from realm_jax.models import RealmConfig
+  from realm_jax.retrieval.towers import load_towers
+  from realm_jax.text import BertTokenizer
+  remote, local = f"{BUCKET}/models/ict", str(tmp_path / "ict")
+  uploads = []
+  close = _Upload.close
+  monkeypatch.setattr(_Upload, "close", lambda f: (uploads.append(f._key), close(f)))
+  config, params = _tiny_scorer(remote)
+  assert uploads[:2] == ["bucket/models/ict/model.safetensors", "bucket/models/ict/config.json"]
+  assert _keys(gcs, "bucket/models/ict/") == ["config.json", "model.safetensors", "vocab.txt"]
+  _tiny_scorer(local)
+
+  want = load_hf_checkpoint(local)
+  got = load_hf_checkpoint(remote)
+  assert got[0] == want[0] == config
+  chex.assert_trees_all_equal(got[1:], want[1:])
+  chex.assert_trees_all_equal(got[1], params)
+  cached = io_utils.local_dir(remote)
+  assert sorted(os.listdir(cached)) == [".realm_jax_source.json", "config.json",
+                                        "model.safetensors", "vocab.txt"]
+  assert RealmConfig.from_json_file(f"{remote}/config.json") == config
+  assert BertTokenizer(f"{remote}/vocab.txt").encode("paris is in france") == [7, 8, 16, 12]
+  batch = dict(input_ids=np.array([[2, 7, 8, 3]], np.int32),
+               attention_mask=np.ones((1, 4), np.int32), token_type_ids=np.zeros((1, 4), np.int32))
+  for which in ("query", "document"):
+    np.testing.assert_array_equal(load_towers(remote)[which].embed(batch),
+                                  load_towers(local)[which].embed(batch))
+
+  # The copy in the cache is used while the remote files stay the same...
+  with monkeypatch.context() as m:
+    m.setattr(io_utils, "download_dir", lambda *a, **k: pytest.fail("downloaded again"))
+    chex.assert_trees_all_equal(load_hf_checkpoint(remote)[1], params)
+  # ... and replaced when new weights come, though config.json has the same bytes.
+  config_json = gcs["bucket/models/ict/config.json"]
+  _, new = _tiny_scorer(remote, seed=1)
+  assert gcs["bucket/models/ict/config.json"] == config_json
+  chex.assert_trees_all_equal(load_hf_checkpoint(remote)[1], new)
+
+  # Errors name the gs:// path and say what is wrong.
+  with pytest.raises(FileNotFoundError, match="gs://bucket/models/none does not exist"):
+    load_hf_checkpoint(f"{BUCKET}/models/none")
+  io_utils.write_text(f"{BUCKET}/models/half/model.safetensors", "x")
+  with pytest.raises(FileNotFoundError, match="gs://bucket/models/half has no config.json"):
+    load_hf_checkpoint(f"{BUCKET}/models/half")
+  io_utils.write_text(f"{BUCKET}/models/pt/pytorch_model.bin", "x")
+  io_utils.write_text(f"{BUCKET}/models/pt/config.json", "{}")
+  with pytest.raises(FileNotFoundError, match=r"No model.safetensors in gs://bucket/models/pt\. "
+                     "It has pytorch_model.bin, a pickle"):
+    load_hf_checkpoint(f"{BUCKET}/models/pt")
+
+
+def test_pretraining_starts_from_hf_weights_in_gs(gcs, tmp_path):
+  from realm_jax.checkpoints import save_hf_checkpoint
+  from realm_jax.configs.pretrain import get_config
+  from realm_jax.train import memory
+  from realm_jax.train.init import build_models, init_params
+  out = {}
+  for root in (f"{BUCKET}/models", str(tmp_path / "models")):
+    model_config, params = _tiny_scorer(f"{root}/ict")
+    save_hf_checkpoint(f"{root}/bert", model_config, params["embedder"]["realm"], "bert")
+    config = get_config("tiny")
+    config.init, config.share_embedders = "hf", False
+    config.retriever_weights, config.encoder_weights = f"{root}/ict", f"{root}/bert"
+    models, got_config, vocab = build_models(config)
+    assert got_config == model_config and vocab == f"{root}/ict/vocab.txt"
+    assert memory.model_config(config) == model_config  # the memory estimate reads it too
+    out[root] = init_params(config, models, got_config, jax.random.key(0))
+  remote, local = out.values()
+  chex.assert_trees_all_equal(remote, local)
+  chex.assert_trees_all_equal(remote["retriever"], params)
+  chex.assert_trees_all_equal(remote["encoder"]["realm"]["encoder"],
+                              params["embedder"]["realm"]["encoder"])
+
+
+def test_ict_export_to_gs_lands_whole_and_replaces_the_old_one(gcs, tmp_path, monkeypatch):
+  from realm_jax.checkpoints import load_hf_checkpoint
+  from realm_jax.train.ict import export_retriever
+  config, params = _tiny_scorer(str(tmp_path / "start"))
+  io_utils.write_text(f"{BUCKET}/vocab.txt", "\n".join(WORDS) + "\n")  # the vocab may be remote
+  export = f"{BUCKET}/w/export"
+  export_retriever(export, config, params, f"{BUCKET}/vocab.txt")
+  assert _keys(gcs, "bucket/w/export/") == ["config.json", "model.safetensors", "vocab.txt"]
+  assert gcs["bucket/w/export/vocab.txt"] == gcs["bucket/vocab.txt"]
+  chex.assert_trees_all_equal(load_hf_checkpoint(export)[1], params)
+
+  # A later export (more steps: the same config.json) is uploaded again, config.json last.
+  new = jax.tree.map(lambda p: p + 1, params)
+  seen = []
+  close = _Upload.close
+  marker = "bucket/w/export/config.json"
+  monkeypatch.setattr(_Upload, "close", lambda f: (seen.append((f._key, marker in gcs)), close(f)))
+  export_retriever(export, config, new, f"{BUCKET}/vocab.txt")
+  assert seen[-1] == (marker, False) and sorted(seen[:-1]) == [
+      ("bucket/w/export/model.safetensors", False), ("bucket/w/export/vocab.txt", False)]
+  chex.assert_trees_all_equal(load_hf_checkpoint(export)[1], new)
 
 
 class _LocalTfBackend(epath_backend._TfBackend):

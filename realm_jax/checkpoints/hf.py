@@ -13,7 +13,9 @@ Kinds and the HF classes they correspond to:
 Keys of the HF checkpoint that the Flax model does not use (the unused MLM heads that HF keeps in
 its embedder and reader, buffers such as `position_ids`) come back as `extras`, so that
 HF -> realm_jax -> HF is bit-identical. Files are read with safetensors only: pickled `.bin`
-checkpoints are refused (see `read_state_dict`).
+checkpoints are refused (see `read_state_dict`). A gs:// checkpoint directory is read from its copy
+in the local cache (`io_utils.local_copy_of_dir`) and written with config.json last: readers take
+a directory without config.json for incomplete.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from realm_jax.io_utils import atomic_write, write_json
+from realm_jax.io_utils import as_path, atomic_write, is_remote, local_copy_of_dir, write_json
 from realm_jax.models import (BertModel, KnowledgeAugEncoder, RealmConfig, RealmEmbedder,
                               RealmReader, RealmRetriever)
 
@@ -215,11 +217,38 @@ def to_hf_state_dict(params: Mapping, kind: str, extras: Mapping[str, np.ndarray
   return flat
 
 
+_SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _no_safetensors(path: str, names: list[str]) -> FileNotFoundError:
+  pickled = [f for f in names if f.endswith(_PICKLE_SUFFIXES)]
+  hint = (f" It has {pickled[0]}, a pickle, which realm_jax does not load." if pickled else "")
+  return FileNotFoundError(
+      f"No model.safetensors in {path}.{hint} Convert once with transformers: "
+      "`Model.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`.")
+
+
+def _local_checkpoint(path: str) -> str:
+  """`path` itself when local; for a gs:// checkpoint directory, or a file in one, the same in
+  its copy in the local cache (safetensors reads local files only)."""
+  if not is_remote(path) or path.endswith(_PICKLE_SUFFIXES):  # read_state_dict refuses pickles
+    return path
+  src = as_path(path)
+  if src.is_file():  # its directory holds the config.json and any other shards
+    parent, name = path.rsplit("/", 1)
+    return os.path.join(_local_checkpoint(parent), name)
+  names = [p.name for p in src.iterdir()] if src.is_dir() else []
+  if "config.json" in names and not any(f in names for f in _SAFETENSORS):  # before a download
+    raise _no_safetensors(path, names)
+  return local_copy_of_dir(path, marker="config.json", what="Checkpoint directory")
+
+
 def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
-  """Reads `model.safetensors` (a file, or a directory holding one or a sharded index)."""
+  """Reads `model.safetensors` (a file, or a directory holding one or a sharded index); a gs://
+  one from its copy in the local cache."""
   from safetensors.numpy import load_file  # local: only this function needs it
 
-  path = os.fspath(path)
+  path = _local_checkpoint(os.fspath(path))
   if os.path.isdir(path):
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
@@ -233,11 +262,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
         out.update(read_state_dict(os.path.join(os.path.dirname(index), shard)))
       return out
     else:
-      pickled = [f for f in os.listdir(path) if f.endswith(_PICKLE_SUFFIXES)]
-      hint = (f" It has {pickled[0]}, a pickle, which realm_jax does not load." if pickled else "")
-      raise FileNotFoundError(
-          f"No model.safetensors in {path}.{hint} Convert once with transformers: "
-          "`Model.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`.")
+      raise _no_safetensors(path, os.listdir(path))
   if path.endswith(_PICKLE_SUFFIXES):
     raise CheckpointError(
         f"{path} is a pickled PyTorch checkpoint; realm_jax never loads pickles. Convert it once "
@@ -253,14 +278,17 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 def load_hf_checkpoint(path: str | os.PathLike, kind: str | None = None,
                        config: RealmConfig | None = None, strict: bool = True):
-  """Loads a HF REALM/BERT checkpoint directory (config.json + model.safetensors) or file.
+  """Loads a HF REALM/BERT checkpoint directory (config.json + model.safetensors) or file, local
+  or gs://.
 
   Returns (config, params, extras). `kind` defaults to what the keys say.
   """
   path = os.fspath(path)
-  state = read_state_dict(path)
+  local = _local_checkpoint(path)
+  state = read_state_dict(local)
   if config is None:
-    cfg_path = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
+    directory = local if os.path.isdir(local) else os.path.dirname(local)
+    cfg_path = os.path.join(directory, "config.json")
     if not os.path.exists(cfg_path):
       raise FileNotFoundError(
           f"{cfg_path} does not exist: pass `config=` or keep the config.json saved with the weights.")
@@ -273,11 +301,16 @@ def load_hf_checkpoint(path: str | os.PathLike, kind: str | None = None,
 def save_hf_checkpoint(directory: str | os.PathLike, config: RealmConfig, params: Mapping, kind: str,
                        extras: Mapping[str, np.ndarray] | None = None) -> None:
   """Writes `model.safetensors` + `config.json` readable by HF `from_pretrained`; each file is
-  written under a temporary name and renamed, so an interrupted save never leaves a half file."""
+  written under a temporary name and renamed, so an interrupted save never leaves a half file.
+  From a gs:// `directory` config.json, which readers take to mean "complete", is deleted first
+  and comes back last."""
   from safetensors.numpy import save_file
 
   directory = os.fspath(directory)
-  os.makedirs(directory, exist_ok=True)
+  if is_remote(directory):  # no directories to make in an object store
+    (as_path(directory) / "config.json").unlink(missing_ok=True)
+  else:
+    os.makedirs(directory, exist_ok=True)
   state = to_hf_state_dict(params, kind, extras)
   hf_config = {k: v for k, v in config.to_dict().items() if k not in ("dtype",)}
   if config.retriever_layer_norm_eps is None:

@@ -60,8 +60,7 @@ class CorpusConfig:
     h = hashlib.sha256()
     h.update(repr((BLOCKING_VERSION, self.source, self.block_length, self.blocking, self.max_docs,
                    self.tfds_name)).encode())
-    with open(self.vocab_file, "rb") as f:
-      h.update(f.read())
+    h.update(io_utils.as_path(self.vocab_file).read_bytes())
     if self.source == "jsonl":  # the files' names, sizes and times: a changed file is a new corpus
       for p in jsonl_files(self.paths):
         if io_utils.is_remote(p):

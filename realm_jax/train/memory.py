@@ -35,6 +35,7 @@ import os
 
 import jax
 
+from realm_jax.io_utils import as_path
 from realm_jax.models.config import RealmConfig
 
 GIB = 1024**3
@@ -53,8 +54,8 @@ def model_config(config) -> RealmConfig:
   if config.init == "minilm":
     from realm_jax.checkpoints.minilm import minilm_dir
     base = RealmConfig.from_json_file(os.path.join(minilm_dir(), "config.json"))
-  elif config.init == "hf" and config.retriever_weights and os.path.exists(
-      os.path.join(config.retriever_weights, "config.json")):
+  elif config.init == "hf" and config.retriever_weights and as_path(
+      os.path.join(config.retriever_weights, "config.json")).exists():
     base = RealmConfig.from_json_file(os.path.join(config.retriever_weights, "config.json"))
   else:
     base = RealmConfig(**dict(config.model))
