@@ -39,10 +39,9 @@ from realm_jax.models.config import RealmConfig
 from realm_jax.models.retriever import RealmRetriever
 from realm_jax.retrieval.build import open_corpus
 from realm_jax.text import BertTokenizer, join_bert
-from realm_jax.train import checkpoints
+from realm_jax.train import checkpoints, optimizer
 from realm_jax.train.init import overlay, sized_model_config
 from realm_jax.train.metrics_writer import MetricsWriter
-from realm_jax.train.optimizer import bert_adamw, bert_schedule
 from realm_jax.train.pretrain import (check_workdir_config, count_bad_steps,
                                       maybe_initialize_distributed)
 from realm_jax.train.realm_step import TrainState, guarded_update
@@ -319,10 +318,7 @@ class ICTTrainer:
     self.data_sharding = NamedSharding(self.mesh, P("data"))
     self.host_batch = config.batch_size // jax.process_count()
 
-    warmup = None if config.warmup_steps < 0 else config.warmup_steps
-    self.schedule = bert_schedule(config.learning_rate, config.num_steps, warmup)
-    tx = bert_adamw(config.learning_rate, config.num_steps, warmup, config.weight_decay,
-                    clip_norm=config.clip_norm)
+    self.schedule, tx = optimizer.from_config(config)
     params = init_params(config, self.model, self.model_config, jax.random.key(config.seed))
     self.state = jax.jit(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx),
                          out_shardings=NamedSharding(self.mesh, P()))(params)

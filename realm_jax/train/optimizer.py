@@ -41,3 +41,12 @@ def bert_adamw(learning_rate: float, total_steps: int, warmup_steps: int | None 
   return optax.chain(
       optax.clip_by_global_norm(clip_norm),
       optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
+
+
+def from_config(config) -> tuple[optax.Schedule, optax.GradientTransformation]:
+  """(learning-rate schedule, BERT AdamW) of a run config with learning_rate, num_steps,
+  warmup_steps (-1: the default), weight_decay and clip_norm."""
+  warmup = None if config.warmup_steps < 0 else config.warmup_steps
+  return (bert_schedule(config.learning_rate, config.num_steps, warmup),
+          bert_adamw(config.learning_rate, config.num_steps, warmup, config.weight_decay,
+                     clip_norm=config.clip_norm))

@@ -30,11 +30,10 @@ from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.pretrain import build_examples, pretrain_batches, special_ids
 from realm_jax.io_utils import as_path, read_json, write_json
 from realm_jax.text import BertTokenizer
-from realm_jax.train import checkpoints, memory
+from realm_jax.train import checkpoints, memory, optimizer
 from realm_jax.train.candidates import CandidateBuilder, retrieve
 from realm_jax.train.init import build_models, init_params
 from realm_jax.train.metrics_writer import MetricsWriter
-from realm_jax.train.optimizer import bert_adamw, bert_schedule
 from realm_jax.train.realm_step import TrainState, eval_step, summarize, train_step
 from realm_jax.train.refresh import (REFRESH_MODES, AsyncIndexWatcher, DocumentEmbedder,
                                      index_step, load_index, refresh)
@@ -129,10 +128,7 @@ class Trainer:
     self.data_sharding = NamedSharding(self.mesh, P("data"))
     self.host_batch = config.batch_size // jax.process_count()
 
-    warmup = None if config.warmup_steps < 0 else config.warmup_steps
-    self.schedule = bert_schedule(config.learning_rate, config.num_steps, warmup)
-    tx = bert_adamw(config.learning_rate, config.num_steps, warmup, config.weight_decay,
-                    clip_norm=config.clip_norm)
+    self.schedule, tx = optimizer.from_config(config)
     params = init_params(config, self.models, self.model_config, jax.random.key(config.seed))
     self.state = jax.jit(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx),
                          out_shardings=self.replicated)(params)
