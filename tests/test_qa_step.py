@@ -1,0 +1,153 @@
+"""The open-QA fine-tuning step: a batch equals the sum of its questions, sharded == single device,
+only the question tower and the reader move, and the retriever loss is the marginal NLL."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from conftest import random_inputs
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from realm_jax.models import RealmConfig, RealmEmbedder, RealmReader, RealmRetriever
+from realm_jax.train.init import _init
+from realm_jax.train.optimizer import bert_adamw
+from realm_jax.train.qa_step import (QaModels, TrainState, qa_beam_logits, qa_loss, qa_params,
+                                     qa_train_step, summarize_qa)
+
+CFG = RealmConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=37, max_position_embeddings=64, retriever_proj_size=16,
+                  span_hidden_size=12, max_span_width=3)
+NAMES = ("input_ids", "attention_mask", "token_type_ids")
+MODELS = QaModels(RealmEmbedder(CFG), RealmReader(CFG), score_scale=3.0)
+
+
+def make_batch(seed=0, b=8, z=6, r=3, lq=8, l=16, a=2):
+  """Question 0 has no answer in its beam, question 1 one only outside the read blocks, question
+  2 a short beam (masked slots, one of them read); the others a gold span in some read blocks."""
+  rng = np.random.default_rng(seed)
+  as32 = lambda t: {n: x.astype(np.int32) for n, x in zip(NAMES, t)}
+  question = as32(random_inputs(rng, (b,), lq, CFG.vocab_size, min_len=4))
+  reader = as32(random_inputs(rng, (b, r), l, CFG.vocab_size, min_len=12))
+  block_mask = ((np.arange(l) >= 5) & (reader["attention_mask"] > 0)).astype(np.int32)
+  beam_mask = np.ones((b, z), np.int32)
+  beam_mask[2, r - 1:] = 0
+  has_answer = (rng.random((b, z)) < 0.4).astype(np.int32)
+  has_answer[:, 0] = 1
+  has_answer[0] = 0
+  has_answer[1] = 0
+  has_answer[1, -1] = 1
+  gold_starts = np.full((b, r, a), -1, np.int32)
+  gold_ends = np.full((b, r, a), -1, np.int32)
+  for i in range(b):
+    for k in range(r):
+      if has_answer[i, k] and beam_mask[i, k]:
+        s = rng.integers(5, 9)
+        gold_starts[i, k, 0], gold_ends[i, k, 0] = s, s + rng.integers(0, CFG.max_span_width)
+  return {"question": question,
+          "beam_embeddings": rng.normal(size=(b, z, CFG.retriever_proj_size)).astype(np.float32),
+          "beam_mask": beam_mask, "beam_has_answer": has_answer, "reader": reader,
+          "block_mask": block_mask, "gold_starts": gold_starts, "gold_ends": gold_ends}
+
+
+def retriever_params(seed=0):
+  return _init(RealmRetriever(CFG, share_embedders=True), CFG, jax.random.key(seed))
+
+
+def reader_params(seed=0):
+  ids = jnp.zeros((1, 2, 8), jnp.int32)
+  init = lambda r: MODELS.reader.init(r, ids, ids, ids, ids, jnp.zeros((1, 2)))["params"]
+  return jax.jit(init)(jax.random.key(seed))
+
+
+def make_params(seed=0):
+  return qa_params(retriever_params(seed), reader_params(seed + 1))
+
+
+def test_batch_equals_sum_of_single_questions():
+  params, batch = make_params(), make_batch()
+  grad_fn = jax.jit(jax.value_and_grad(lambda p, b: qa_loss(p, b, MODELS), has_aux=True))
+  (loss, sums), grads = grad_fn(params, batch)
+  assert 0 < float(sums["has_answer"]) < float(sums["questions"])
+  assert float(sums["retriever_loss_sum"]) > 0 and float(sums["reader_loss_sum"]) > 0
+  single_loss, single_grads = 0.0, jax.tree.map(np.zeros_like, params)
+  for i in range(8):
+    (l_i, _), g_i = grad_fn(params, jax.tree.map(lambda x: x[i:i + 1], batch))
+    single_loss += float(l_i)
+    single_grads = jax.tree.map(lambda s, g: s + np.asarray(g), single_grads, g_i)
+  np.testing.assert_allclose(float(loss), single_loss, rtol=1e-5)
+  # Relative to the whole gradient: some leaves' true gradient is 0 (attention key biases cancel
+  # in the softmax), and there both sides are float32 noise.
+  flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
+  g, s = flat(grads), flat(single_grads)
+  assert np.linalg.norm(g - s) <= 1e-5 * np.linalg.norm(s)
+  for (path, g_leaf), s_leaf in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                    jax.tree.leaves(single_grads)):
+    assert np.abs(np.asarray(g_leaf) - s_leaf).max() <= 1e-6 * np.abs(s).max(), \
+        jax.tree_util.keystr(path)
+
+
+def test_retriever_loss_is_hand_computed_marginal_nll():
+  params, batch = make_params(seed=1), make_batch(seed=1, b=4)
+  q = np.asarray(MODELS.query_tower.apply(
+      {"params": params["query_tower"]}, *(batch["question"][n] for n in NAMES)))   # [B, D]
+  logits = MODELS.score_scale * np.einsum("bd,bzd->bz", q.astype(np.float64),
+                                          batch["beam_embeddings"].astype(np.float64))
+  want = 0.0
+  for i in range(4):
+    real = batch["beam_mask"][i] > 0
+    gold = real & (batch["beam_has_answer"][i] > 0)
+    if gold.any():
+      want += np.log(np.exp(logits[i, real]).sum()) - np.log(np.exp(logits[i, gold]).sum())
+  _, sums = jax.jit(lambda p, b: qa_loss(p, b, MODELS))(params, batch)
+  np.testing.assert_allclose(float(sums["retriever_loss_sum"]), want, rtol=1e-5)
+  masked = np.asarray(qa_beam_logits(params, batch, MODELS))
+  np.testing.assert_allclose(masked[batch["beam_mask"] > 0], logits[batch["beam_mask"] > 0],
+                             rtol=1e-5, atol=1e-5)
+  assert (masked[batch["beam_mask"] == 0] <= -1e8).all()
+
+
+def run_steps(mesh, n_steps=2):
+  tx = bert_adamw(1e-4, 10, warmup_steps=1)
+  rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+  @chex.assert_max_traces(n=1)
+  def step(state, batch, rng):
+    return qa_train_step(state, batch, rng, models=MODELS, dropout=True)
+
+  fn = jax.jit(step, in_shardings=(rep, data, rep), out_shardings=(rep, rep), donate_argnums=0)
+  state = jax.device_put(TrainState.create(apply_fn=None, params=make_params(), tx=tx), rep)
+  losses = []
+  for s in range(n_steps):
+    state, out = fn(state, jax.device_put(make_batch(seed=s), data), jax.random.key(7))
+    losses.append(summarize_qa(out)["loss"])
+  chex.clear_trace_counter()
+  return jax.device_get(state.params), losses
+
+
+def test_sharded_step_equals_single_device():
+  assert jax.device_count() == 8
+  single_params, single_losses = run_steps(Mesh(np.array(jax.devices()[:1]), ("data",)))
+  sharded_params, sharded_losses = run_steps(Mesh(np.array(jax.devices()), ("data",)))
+  np.testing.assert_allclose(sharded_losses, single_losses, rtol=1e-5)
+  chex.assert_trees_all_close(sharded_params, single_params, atol=1e-5, rtol=0)
+
+
+def test_only_question_tower_and_reader_move():
+  """From a shared-tower REALM retriever: after a donated step the document tower (the one that
+  built the index) is intact and unchanged; every used question-tower and reader leaf moved."""
+  retriever = retriever_params()
+  doc_before = jax.device_get(retriever["embedder"])
+  params = qa_params(retriever, reader_params(1))
+  assert set(params) == {"query_tower", "reader"}  # the document tower is not optimised at all
+  before = jax.device_get(params)
+  state = TrainState.create(apply_fn=None, params=params, tx=bert_adamw(1e-3, 10, warmup_steps=0))
+  step = jax.jit(lambda s, b, r: qa_train_step(s, b, r, models=MODELS), donate_argnums=0)
+  state, out = step(state, make_batch(), jax.random.key(0))
+  assert float(out["skipped"]) == 0.0 and float(out["grad_norm"]) > 0
+  chex.assert_trees_all_equal(jax.device_get(retriever["embedder"]), doc_before)
+  for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(state.params)),
+                              jax.tree.leaves(before)):
+    if "pooler" in jax.tree_util.keystr(path):
+      continue  # the reader's BERT pooler (kept for HF parity) feeds no span score
+    assert not np.array_equal(new, old), f"{jax.tree_util.keystr(path)} did not move"
