@@ -19,7 +19,7 @@ import numpy as np
 
 from realm_jax.configs.pretrain import SLICES, get_config
 from realm_jax.train import memory
-from realm_jax.train.init import build_models
+from realm_jax.train.init import make_models, param_shapes
 from realm_jax.train.optimizer import bert_adamw
 from realm_jax.train.realm_step import TrainState, train_step
 
@@ -33,14 +33,10 @@ CPU_RUNS = [("tiny", {}, 96), ("demo", {}, 5166), ("demo", {"remat": True}, 5166
 
 def abstract_inputs(config, mc, devices):
   """Shapes of (state, batch) of one step of `config`, nothing allocated."""
-  models, _, _ = build_models(config)
+  models = make_models(config, mc)
   tx = bert_adamw(config.learning_rate, config.num_steps, 10, config.weight_decay,
                   clip_norm=config.clip_norm)
-  from realm_jax.train.init import _init
-  params = {"retriever": jax.eval_shape(functools.partial(_init, models.retriever, mc),
-                                        jax.random.key(0)),
-            "encoder": jax.eval_shape(functools.partial(_init, models.encoder, mc),
-                                      jax.random.key(0))}
+  params = param_shapes(models, mc)
   state = jax.eval_shape(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx), params)
   b, k, m = config.batch_size, config.num_candidates, config.max_masked
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)

@@ -44,7 +44,7 @@ from realm_jax.train.init import overlay, sized_model_config
 from realm_jax.train.metrics_writer import MetricsWriter
 from realm_jax.train.pretrain import (check_workdir_config, count_bad_steps,
                                       maybe_initialize_distributed)
-from realm_jax.train.realm_step import TrainState, guarded_update
+from realm_jax.train.realm_step import TrainState, loss_step
 
 Array = jax.Array
 INITS = ("minilm", "bert", "random")
@@ -254,11 +254,7 @@ def ict_step(state: TrainState, batch: dict, rng: Array, *, model: RealmRetrieve
   A step whose loss or gradient is not finite changes no parameter or optimiser moment (the step
   counter still advances) and reports `skipped` = 1.
   """
-  dropout_rng = jax.random.fold_in(rng, state.step) if dropout else None
-  (loss, metrics), grads = jax.value_and_grad(ict_loss, has_aux=True)(
-      state.params, batch, model, dropout_rng)
-  state, stats = guarded_update(state, loss, grads)
-  return state, {**metrics, **stats}
+  return loss_step(state, lambda p, r: ict_loss(p, batch, model, r), rng, dropout)
 
 
 def eval_step(params, batch: dict, *, model: RealmRetriever) -> dict:

@@ -77,7 +77,6 @@ def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
   if config.init == "minilm":
     model_config = RealmConfig.from_json_file(os.path.join(minilm_dir(), "config.json"))
     vocab = os.path.join(minilm_dir(), "vocab.txt")
-    pooling, normalize = "mean", True
   elif config.init == "hf":
     for name in ("retriever_weights", "encoder_weights"):
       if not config.get(name):
@@ -86,19 +85,36 @@ def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
     vocab = os.path.join(config.retriever_weights, "vocab.txt")
     if not as_path(vocab).exists():
       vocab = config.get("vocab_file") or vocab
-    pooling, normalize = "projected_cls", False
   else:
     model_config = RealmConfig(**dict(config.model))
     vocab = config.vocab_file
     if not vocab:  # the uncased BERT vocabulary of the installed MiniLM package
       vocab = os.path.join(minilm_dir(), "vocab.txt")
-    pooling, normalize = config.get("pooling", "projected_cls"), config.get("normalize", False)
   model_config = sized_model_config(config, model_config)
-  models = RealmModels(
+  return make_models(config, model_config), model_config, vocab
+
+
+def make_models(config, model_config: RealmConfig) -> RealmModels:
+  """The modules of a run of `config` with the given (sized) model config. Pooling follows the
+  weights: MiniLM is mean-pooled and L2-normalised, HF REALM uses its projected [CLS], random
+  models take config.pooling / config.normalize."""
+  if config.init == "minilm":
+    pooling, normalize = "mean", True
+  elif config.init == "hf":
+    pooling, normalize = "projected_cls", False
+  else:
+    pooling, normalize = config.get("pooling", "projected_cls"), config.get("normalize", False)
+  return RealmModels(
       RealmRetriever(model_config, share_embedders=config.share_embedders, pooling=pooling,
                      normalize=normalize),
       KnowledgeAugEncoder(model_config), float(config.score_scale))
-  return models, model_config, vocab
+
+
+def param_shapes(models: RealmModels, model_config: RealmConfig) -> dict:
+  """Shapes and dtypes of the parameters {"retriever", "encoder"}, nothing allocated."""
+  key = jax.random.key(0)
+  return {"retriever": jax.eval_shape(lambda r: _init(models.retriever, model_config, r), key),
+          "encoder": jax.eval_shape(lambda r: _init(models.encoder, model_config, r), key)}
 
 
 def init_params(config, models: RealmModels, model_config: RealmConfig, rng) -> dict:

@@ -29,7 +29,6 @@ XLA's own buffer assignment of the compiled train step (and the index arrays) fo
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -63,17 +62,11 @@ def model_config(config) -> RealmConfig:
 
 
 def count_params(config, mc: RealmConfig) -> dict[str, int]:
-  """Exact parameter counts {"retriever", "encoder"}, from shapes only."""
-  from realm_jax.models.encoder import KnowledgeAugEncoder
-  from realm_jax.models.retriever import RealmRetriever
-  from realm_jax.train.init import _init
-  models = {"retriever": RealmRetriever(mc, share_embedders=config.share_embedders),
-            "encoder": KnowledgeAugEncoder(mc)}
-  out = {}
-  for name, module in models.items():
-    shapes = jax.eval_shape(functools.partial(_init, module, mc), jax.random.key(0))
-    out[name] = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
-  return out
+  """Exact parameter counts {"retriever", "encoder"} of the run's models, from shapes only."""
+  from realm_jax.train.init import make_models, param_shapes
+  shapes = param_shapes(make_models(config, mc), mc)
+  return {name: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+          for name, tree in shapes.items()}
 
 
 def _bert_activations(tokens: int, length: int, mc: RealmConfig, act_bytes: int) -> float:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from realm_jax.models.reader import RealmReader, correct_spans, reader_losses
 from realm_jax.models.retriever import RealmEmbedder, relevance_scores
-from realm_jax.train.realm_step import NEG_INF, TrainState, guarded_update
+from realm_jax.train.realm_step import NEG_INF, TrainState, loss_step
 
 Array = jax.Array
 
@@ -141,11 +141,7 @@ def qa_train_step(state: TrainState, batch: dict, rng: Array, *,
   """One AdamW update of the question tower and the reader; pure, so it jits with the state
   donated. `state.params` = `qa_params(...)`. A non-finite step changes nothing and reports
   `skipped` = 1 (`guarded_update`)."""
-  dropout_rng = jax.random.fold_in(rng, state.step) if dropout else None
-  (loss, sums), grads = jax.value_and_grad(qa_loss, has_aux=True)(
-      state.params, batch, models, dropout_rng)
-  state, stats = guarded_update(state, loss, grads)
-  return state, {**sums, **stats}
+  return loss_step(state, lambda p, r: qa_loss(p, batch, models, r), rng, dropout)
 
 
 def qa_eval_step(params, batch: dict, *, models: QaModels) -> dict:

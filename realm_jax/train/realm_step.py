@@ -123,11 +123,17 @@ def train_step(state: TrainState, batch: dict, rng: Array, *,
   A step whose loss or gradient is not finite changes no parameter or optimiser moment (the step
   counter still advances, so the data moves on) and reports `skipped` = 1.
   """
+  return loss_step(state, lambda p, r: realm_loss(p, batch, models, r), rng, dropout)
+
+
+def loss_step(state: TrainState, loss_fn, rng: Array, dropout: bool = True):
+  """The update shared by every trainer: `loss_fn(params, dropout_rng) -> (loss, stats)` is
+  differentiated, the step's dropout key is `rng` folded with the step (None without dropout),
+  and `guarded_update` applies the gradient. Returns (state, {**stats, grad_norm, skipped})."""
   dropout_rng = jax.random.fold_in(rng, state.step) if dropout else None
-  (loss, sums), grads = jax.value_and_grad(realm_loss, has_aux=True)(
-      state.params, batch, models, dropout_rng)
-  state, stats = guarded_update(state, loss, grads)
-  return state, {**sums, **stats}
+  (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, dropout_rng)
+  state, update_stats = guarded_update(state, loss, grads)
+  return state, {**stats, **update_stats}
 
 
 def guarded_update(state: TrainState, loss: Array, grads) -> tuple[TrainState, dict]:
