@@ -55,7 +55,7 @@ def test_build_index_with_hf_retriever_weights(setup):
                          inputs["attention_mask"], inputs["token_type_ids"])
   np.testing.assert_allclose(index.embeddings(), want, atol=1e-5)
   q = embed_questions(query_tower, ["w1 w2 w3"])
-  q_doc = embed_questions(build._tower(cfg, "document"), ["w1 w2 w3"])
+  q_doc = embed_questions(build.towers_of(cfg)["document"], ["w1 w2 w3"])
   assert not np.allclose(q, q_doc)  # separate towers
 
 

@@ -23,10 +23,6 @@ def towers_of(config):
                      _AUTO[config.normalize], config.dtype)
 
 
-def _tower(config, which="document"):
-  return towers_of(config)[which]
-
-
 def open_corpus(config, workdir: str, vocab_file: str) -> Corpus:
   c = config.corpus
   return Corpus.build(os.path.join(workdir, "corpus"), CorpusConfig(
@@ -52,9 +48,10 @@ def build_index(config, workdir: str, towers=None):
   return corpus, index, tower
 
 
-def load_built_index(config, workdir: str):
-  """(corpus, index, query tower) of an index that `build_index` published in `workdir`."""
-  query_tower = _tower(config, "query")
+def load_built_index(config, workdir: str, towers=None):
+  """(corpus, index, query tower) of an index that `build_index` published in `workdir`.
+  `towers`: already loaded `towers_of(config)`."""
+  query_tower = (towers or towers_of(config))["query"]
   corpus = open_corpus(config, workdir, query_tower.tokenizer.vocab_file)
   path = latest_index_dir(os.path.join(workdir, "index"))
   if path is None:

@@ -29,6 +29,8 @@ class Tower:
   embed: Callable[[Batch], jax.Array]   # {input_ids, attention_mask, token_type_ids} [B, L] -> [B, D]
   fingerprint: str                      # of the weights and pooling: names what an index was made with
   dim: int
+  module: RealmEmbedder | None = None   # the tower and its parameters, for training it further
+  params: dict | None = None
 
 
 def params_fingerprint(params, extra: str = "") -> str:
@@ -86,7 +88,7 @@ def load_towers(weights: str = "minilm", pooling: str | None = None,
       params = {"realm": {k: v for k, v in params["realm"].items() if k != "pooler"}}
     params = jax.device_put(params)
     fingerprint = params_fingerprint(params, f"{pooling}|{normalize}|{dtype}")
-    return Tower(tokenizer, lambda batch: fn(params, batch), fingerprint, dim)
+    return Tower(tokenizer, lambda batch: fn(params, batch), fingerprint, dim, model, params)
 
   document = make(towers["document"])
   query = make(towers["query"]) if "query" in towers else document

@@ -37,10 +37,30 @@ def decay_mask(params) -> dict:
 def bert_adamw(learning_rate: float, total_steps: int, warmup_steps: int | None = None,
                weight_decay: float = 0.01, eps: float = 1e-6, b1: float = 0.9, b2: float = 0.999,
                clip_norm: float = 1.0) -> optax.GradientTransformation:
-  schedule = bert_schedule(learning_rate, total_steps, warmup_steps)
+  return adamw_with(bert_schedule(learning_rate, total_steps, warmup_steps), weight_decay, eps,
+                    b1, b2, clip_norm)
+
+
+def adamw_with(schedule: optax.Schedule, weight_decay: float = 0.01, eps: float = 1e-6,
+               b1: float = 0.9, b2: float = 0.999,
+               clip_norm: float = 1.0) -> optax.GradientTransformation:
+  """BERT's AdamW (decay mask, eps 1e-6, global-norm clip) with any learning-rate schedule."""
   return optax.chain(
       optax.clip_by_global_norm(clip_norm),
       optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
+
+
+def delayed_schedule(learning_rate: float, total_steps: int, start: int,
+                     warmup_steps: int | None = None) -> optax.Schedule:
+  """0 before step `start`, then `bert_schedule` over the remaining steps (a part of the model
+  that joins training late gets its own warmup and decay)."""
+  if start <= 0:
+    return bert_schedule(learning_rate, total_steps, warmup_steps)
+  if start >= total_steps:
+    raise ValueError(f"start={start} must be below total_steps={total_steps}.")
+  return optax.join_schedules(
+      [optax.constant_schedule(0.0),
+       bert_schedule(learning_rate, total_steps - start, warmup_steps)], [start])
 
 
 def from_config(config) -> tuple[optax.Schedule, optax.GradientTransformation]:

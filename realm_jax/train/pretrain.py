@@ -52,12 +52,14 @@ def maybe_initialize_distributed(enabled: bool) -> None:
     distributed.initialize()
 
 
-def check_workdir_config(config, workdir: str) -> None:
+def check_workdir_config(config, workdir: str, fixed: tuple[str, ...] = _FIXED) -> None:
+  """Writes the config to `workdir/config.json`; refuses a workdir whose run was made with other
+  `fixed` settings (shapes of parameters or of the data)."""
   path = os.path.join(workdir, "config.json")
   current = json.loads(config.to_json())
   if as_path(path).exists():
     old = read_json(path)
-    diff = [k for k in _FIXED if old.get(k) != current.get(k)]
+    diff = [k for k in fixed if old.get(k) != current.get(k)]
     if diff:
       raise ValueError(
           f"{workdir} holds a run made with another config ({', '.join(diff)} differ: "

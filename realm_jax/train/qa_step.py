@@ -24,6 +24,9 @@ A batch (numpy on the host, sharded along B on device):
                     [CLS] q [SEP] block [SEP] for beam blocks 0..R-1 (R <= Z)
   block_mask        [B, R, L] 1 on the block's tokens (spans must lie inside)
   gold_starts, gold_ends  [B, R, A] int32 token positions of the answer spans, -1 = none
+A batch without `reader` (and the keys after it) is retriever-only: the loss is the retriever's
+alone, and only the question tower gets a gradient (a cheap warm-up of the question tower: its
+questions are ~16 word pieces, where the reader reads R x ~200).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from realm_jax.models.reader import RealmReader, correct_spans, reader_losses
+from realm_jax.models.reader import RealmReader, correct_spans, marginal_nll, reader_losses
 from realm_jax.models.retriever import RealmEmbedder, relevance_scores
 from realm_jax.train.realm_step import NEG_INF, TrainState, loss_step
 
@@ -92,6 +95,14 @@ def qa_loss(params, batch, models: QaModels, dropout_rng: Array | None = None):
   beam_logits = qa_beam_logits(params, batch, models, None if rngs is None else rngs[0])
   beam_mask = batch["beam_mask"] > 0
   has_answer = (batch["beam_has_answer"] > 0) & beam_mask                          # [B, Z]
+  if "reader" not in batch:  # retriever-only batch: the question tower alone learns
+    retriever_loss = marginal_nll(beam_logits, has_answer)
+    loss = jnp.sum(retriever_loss)
+    zero = jnp.zeros((), jnp.float32)
+    return loss, {"loss_sum": loss, "retriever_loss_sum": loss, "reader_loss_sum": zero,
+                  "questions": jnp.asarray(beam_logits.shape[0], jnp.float32),
+                  "has_answer": jnp.sum(jnp.any(has_answer, axis=-1).astype(jnp.float32)),
+                  "answer_in_read": zero, "reader_correct": zero}
   b, r = batch["reader"]["input_ids"].shape[:2]
   if r > beam_logits.shape[1]:
     raise ValueError(f"The batch has {r} read blocks per question but a beam of only "
@@ -147,3 +158,26 @@ def qa_train_step(state: TrainState, batch: dict, rng: Array, *,
 def qa_eval_step(params, batch: dict, *, models: QaModels) -> dict:
   """Summed statistics without dropout or update (dev evaluation)."""
   return qa_loss(params, batch, models)[1]
+
+
+def qa_predict_step(params, batch: dict, *, models: QaModels) -> dict:
+  """The reader's best span per question and per read block (no dropout).
+
+  `batch` holds `question`, `reader`, `block_mask` as in training, and `beam_embeddings` /
+  `beam_mask` of just the R read blocks ([B, R, D], [B, R]).
+
+  Returns:
+    `best` [B] index of the best span over all R x N (block = best // N, span = best % N),
+    `best_score` [B] its logit (span score + its block's retriever logit), `block_best` [B, R]
+    and `block_score` [B, R] the best span of each block, `retriever_logits` [B, R].
+  """
+  logits = qa_beam_logits(params, batch, models)                                    # [B, R]
+  out = models.reader.apply({"params": params["reader"]}, *_inputs(batch["reader"]),
+                            batch["block_mask"], logits, True)
+  span_logits = jnp.where(batch["beam_mask"][..., None] > 0, out["span_logits"], NEG_INF)
+  b = span_logits.shape[0]
+  flat = span_logits.reshape(b, -1)
+  best = jnp.argmax(flat, axis=-1)
+  return {"best": best, "best_score": jnp.take_along_axis(flat, best[:, None], -1)[:, 0],
+          "block_best": jnp.argmax(span_logits, axis=-1),
+          "block_score": jnp.max(span_logits, axis=-1), "retriever_logits": logits}

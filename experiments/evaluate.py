@@ -1,0 +1,56 @@
+"""Evaluates a fine-tuned open-QA system on its held-out questions, next to its baselines.
+
+  python experiments/evaluate.py --flagfile=experiments/flags/finetune_wiki_vital.flags
+  python experiments/evaluate.py --flagfile=... --split=dev --systems=finetuned --limit=200
+  python experiments/evaluate.py --flagfile=... --recall_only=dense_untuned   # not read: faster
+
+Reads the best checkpoint of --workdir (experiments/finetune.py), answers the --split part of the
+config's questions with each system (realm_jax/eval/report.py: fine-tuned, untuned dense retriever +
+same reader, BM25 + same reader) and writes <workdir>/eval/<split>/predictions-<system>.jsonl and
+results.json, then prints EM and recall@k as a markdown table.
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from realm_jax.eval import report
+from realm_jax.train import finetune
+from realm_jax.train.pretrain import quiet_library_logs
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (realm_jax/configs/finetune.py:<variant>); default: the workdir's config.json.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Work directory of a fine-tuning run.")
+_SPLIT = flags.DEFINE_enum("split", "test", ["train", "dev", "test"], "Which part of the questions.")
+_SYSTEMS = flags.DEFINE_list("systems", list(report.SYSTEMS), "Systems to evaluate.")
+_RECALL_ONLY = flags.DEFINE_list("recall_only", [], "Systems evaluated for retrieval only (not read): faster.")
+_LIMIT = flags.DEFINE_integer("limit", 0, "Only the first N questions (0 = all).")
+flags.mark_flags_as_required(["workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  quiet_library_logs()
+  workdir = _WORKDIR.value
+  try:
+    config = _CONFIG.value or finetune.load_workdir_config(workdir)
+    setup = finetune.QaSetup(config, workdir, build_missing=False)
+    questions = finetune.split_questions(config)[_SPLIT.value][:_LIMIT.value or None]
+    if not questions:
+      raise ValueError(f"The {_SPLIT.value} part of config.data is empty (test_percent="
+                       f"{config.data.test_percent}): evaluate --split=dev, or change the config.")
+    out_dir = os.path.join(workdir, "eval", _SPLIT.value)
+    ks = tuple(config.ks)
+    results = report.evaluate_systems(setup, questions, _SYSTEMS.value, ks, out_dir,
+                                      recall_only=_RECALL_ONLY.value)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(f"{_SPLIT.value}: {len(questions)} questions; predictions and results.json in {out_dir}")
+  print(report.format_table(results, ks))
+
+
+if __name__ == "__main__":
+  app.run(main)

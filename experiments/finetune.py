@@ -1,0 +1,32 @@
+"""Open-QA fine-tuning: question tower + reader over a frozen index, resuming from --workdir.
+
+  python experiments/finetune.py --flagfile=experiments/flags/finetune_wiki_vital.flags
+  python experiments/finetune.py --config=realm_jax/configs/finetune.py:tiny --workdir=work/qa_tiny \
+      --config.data.local_dir=../shared/data/nq_open
+
+The index is built in the workdir first if it is not there. Then evaluate the best checkpoint with
+experiments/evaluate.py and ask it questions with experiments/ask.py (same flags).
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from realm_jax.train import finetune
+from realm_jax.train.pretrain import quiet_library_logs
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (realm_jax/configs/finetune.py:<variant>).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: corpus, index, checkpoints, best model, TensorBoard.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  quiet_library_logs()
+  best = finetune.finetune(_CONFIG.value, _WORKDIR.value)
+  print(f"Best dev EM {best['dev_em']:.2f} (recall@5 {best['dev_recall']:.2f}) at step "
+        f"{best['step']}, kept in {_WORKDIR.value}/{finetune.BEST}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,116 @@
+"""Open-QA fine-tuning (experiments/finetune.py), evaluation and ask (same config).
+
+Variants (`--config=realm_jax/configs/finetune.py:<variant>`):
+  wiki_vital  the embedded 10,033 Wikipedia articles indexed with all-MiniLM-L6-v2 (one block per
+              article; the question tower starts from MiniLM, the document tower and the index
+              stay frozen), the reader = MiniLM + a new span scorer, trained on NQ-Open dev +
+              EfficientQA dev questions split by a hash of the question into train / dev (model
+              selection) / held-out test parts:
+                python experiments/finetune.py --flagfile=experiments/flags/finetune_wiki_vital.flags
+                python experiments/evaluate.py --flagfile=experiments/flags/finetune_wiki_vital.flags
+  tiny        40 articles, a 1-layer reader, a few steps: tests and the notebook (seconds).
+  paper       ORQA/REALM: beam 5000, read 5, lr 1e-5, question tower and index from a REALM
+              checkpoint (config.retrieval.weights: HF REALM scorer; projected [CLS], score scale
+              1), reader from the pre-trained knowledge-augmented encoder (config.reader_weights).
+"""
+
+import ml_collections
+
+from realm_jax.configs import build_index
+
+
+def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.variant = arg
+  # The frozen index and where the question tower starts: a build_index config, built into the
+  # fine-tuning work directory if it is not there yet.
+  c.retrieval = build_index.get_config("wiki_vital_minilm")
+  c.score_scale = 20.0            # retriever logit = score_scale * <q, z> (cosines for MiniLM)
+  c.reader_weights = "minilm"     # minilm | a HF directory: REALM reader, encoder or a BERT
+  c.reader_layers = 0             # >0: keep only the first N transformer layers of the reader
+  c.span_hidden_size = 256
+  c.max_span_width = 10
+
+  c.data = ml_collections.ConfigDict(dict(
+      name="nq_open",             # nq_open | web_questions | curated_trec
+      splits=("dev", "efficientqa_dev"),  # pooled, then split by a hash of the question
+      local_dir="",               # a folder holding the files (offline); "" = download with TFDS
+      data_dir="",                # TFDS data_dir for downloads ("" = TFDS's default)
+      test_percent=20.0,          # held out for the final report (evaluate.py)
+      dev_percent=10.0,           # of the rest: model selection during fine-tuning
+      seed="realm_jax-qa",        # hash salt of the split
+      limit=0))                   # >0: use only the first N questions (tests)
+
+  c.beam = 1000                   # blocks retrieved for the retriever loss (5000 in the paper)
+  c.reader_blocks = 5             # the beam's first R blocks are read
+  c.question_length = 64
+  c.reader_length = 288           # [CLS] q [SEP] title [SEP] body [SEP]
+  c.max_answer_spans = 8          # gold spans kept per block
+  c.skip_unanswerable = True      # drop questions with no answer in their beam (zero gradient)
+
+  c.retriever_steps = 0           # first N steps train the question tower alone (no reading)
+  c.batch_size = 16               # questions per step, sharded over every device
+  c.num_steps = 300
+  c.learning_rate = 5e-5
+  c.warmup_steps = -1             # -1: min(10k, max(100, steps / 10))
+  c.weight_decay = 0.01
+  c.clip_norm = 1.0
+  c.dropout = True
+  c.seed = 0
+
+  c.log_every = 10
+  c.eval_every = 100              # dev EM every N steps; the best checkpoint is kept
+  c.eval_limit = 0                # >0: only the first N dev questions in those evaluations
+  c.eval_batch_size = 16
+  c.checkpoint_every = 100
+  c.max_bad_steps = 10
+  c.ks = (1, 5, 20)
+
+  if arg == "wiki_vital":
+    # Sized for 2 CPU cores (~45 min): 400 cheap retriever-only steps (the question tower learns
+    # from every answerable question several times), then 80 joint steps reading 5 blocks of
+    # <= 192 word pieces (~25 s a step: the reader is where the time goes).
+    c.retriever_steps = 400
+    c.num_steps = 480
+    c.warmup_steps = 20
+    c.reader_length = 192
+    c.eval_every = 40
+    c.eval_limit = 200
+    c.checkpoint_every = 40
+  elif arg == "tiny":
+    c.retrieval = build_index.get_config("tiny")
+    c.reader_layers = 1
+    c.beam = 8
+    c.reader_blocks = 2
+    c.question_length = 32
+    c.reader_length = 96
+    c.data.limit = 200
+    c.batch_size = 8                # divisible by the tests' 8 fake devices
+    c.num_steps = 4
+    c.warmup_steps = 1
+    c.learning_rate = 1e-4
+    c.log_every = 2
+    c.eval_every = 2
+    c.eval_limit = 8
+    c.eval_batch_size = 8
+    c.checkpoint_every = 2
+    c.ks = (1, 2, 5)
+  elif arg == "paper":
+    c.retrieval.weights = ""      # required: a HF REALM scorer / embedder directory
+    c.retrieval.corpus.blocking = "sentences"
+    c.retrieval.corpus.source = "tfds_wikipedia"
+    c.retrieval.max_length = 288
+    c.retrieval.truncate = "b"
+    c.score_scale = 1.0
+    c.reader_weights = ""         # required: the pre-trained encoder / reader directory
+    c.data.splits = ("train",)
+    c.data.test_percent = 0.0     # evaluate on the official dev (= ORQA's test) instead
+    c.beam = 5000
+    c.batch_size = 16
+    c.num_steps = 20_000
+    c.learning_rate = 1e-5
+    c.eval_every = 1000
+    c.checkpoint_every = 1000
+  else:
+    raise ValueError(f"Unknown finetune config {arg!r}: wiki_vital, tiny, paper.")
+  return c

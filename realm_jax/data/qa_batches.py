@@ -1,0 +1,327 @@
+"""Reader inputs and open-QA fine-tuning batches: questions + their retrieved beam -> arrays.
+
+Reader input of (question, block), as in ORQA/REALM with the block's title kept (titles often
+*are* the answer):
+    [CLS] question [SEP] title [SEP] body [SEP]        (token types 0 ... 0 | 1 ... 1)
+or `[CLS] question [SEP] body [SEP]` for a block without a title. `block_mask` is 1 on the title
+and body word pieces only, so every span the reader scores lies inside the block. The body is cut
+to fit `reader_length`; the question to `question_length`.
+
+Gold spans: every occurrence in the title or the (cut) body of an answer's word pieces: of the
+answer as written and of its normalised form (articles and punctuation dropped), as ORQA matched
+answers by tokens. CuratedTREC answers are regular expressions: their matches in the block's
+text are mapped to word pieces through the tokenizer's character offsets. A block "has an
+answer" (the retriever's positives) when the normalised answer occurs in its normalised text,
+or a pattern matches it: the definition of recall@k (realm_jax/eval/answers.py).
+
+Inputs are padded to the longest in the batch rounded up to `length_multiple`, so a batch of
+short blocks does not pay for `reader_length` (one compiled step per length bucket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from realm_jax.eval.answers import has_answer, normalize_answer, regex_match
+from realm_jax.text import BertTokenizer
+
+ANSWER_TYPES = ("text", "regex")
+MAX_QUESTION_CHARS = 1_000
+
+
+def answers_of(question: dict) -> tuple[list[str], str]:
+  """(answers, answer_type) of a question dict from `load_questions` ("answers") or
+  `load_qa_jsonl` ("answer")."""
+  answers = question.get("answers", question.get("answer"))
+  if answers is None:
+    raise ValueError(f"Question {question.get('question')!r} has no 'answers' field.")
+  if isinstance(answers, str):
+    answers = [answers]
+  kind = question.get("answer_type", "text")
+  if kind not in ANSWER_TYPES:
+    raise ValueError(f"answer_type={kind!r} of question {question.get('question')!r}: use one of "
+                     f"{ANSWER_TYPES}.")
+  return list(answers), kind
+
+
+def answer_pieces(tokenizer: BertTokenizer, answers: Sequence[str]) -> list[tuple[int, ...]]:
+  """Distinct non-empty word-piece sequences of each answer and of its normalised form."""
+  texts = []
+  for a in answers:
+    texts += [a, normalize_answer(a)]
+  texts = [t for t in dict.fromkeys(texts) if t.strip()]
+  if not texts:
+    return []
+  return list(dict.fromkeys(tuple(ids) for ids in tokenizer.encode_batch(texts) if ids))
+
+
+def find_subsequences(haystack: Sequence[int], needles: Sequence[Sequence[int]]
+                      ) -> list[tuple[int, int]]:
+  """Inclusive (start, end) of every occurrence of every needle in `haystack`, sorted."""
+  hay = np.asarray(haystack)
+  found = set()
+  for needle in needles:
+    n = len(needle)
+    if n == 0 or n > len(hay):
+      continue
+    starts = np.flatnonzero(hay[:len(hay) - n + 1] == needle[0])
+    for s in starts:
+      if tuple(hay[s:s + n]) == tuple(needle):
+        found.add((int(s), int(s + n - 1)))
+  return sorted(found)
+
+
+def char_spans_to_pieces(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
+                         ) -> list[tuple[int, int]]:
+  """Character spans [a, b) -> inclusive word-piece spans covering them (via piece offsets)."""
+  if not offsets:
+    return []
+  begins = np.asarray([o[0] for o in offsets])
+  ends = np.asarray([o[1] for o in offsets])
+  out = []
+  for a, b in spans:
+    if b <= a:
+      continue
+    s = int(np.searchsorted(ends, a, side="right"))     # first piece ending after a
+    e = int(np.searchsorted(begins, b, side="left")) - 1  # last piece starting before b
+    if s <= e < len(offsets):
+      out.append((s, e))
+  return sorted(set(out))
+
+
+def regex_char_spans(text: str, patterns: Sequence[str]) -> list[tuple[int, int]]:
+  spans = []
+  for p in patterns:
+    try:
+      spans += [(m.start(), m.end()) for m in re.finditer(p, text, flags=re.IGNORECASE)]
+    except re.error as e:
+      raise ValueError(f"Answer pattern {p!r} is not a valid regular expression ({e}).") from None
+  return spans
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderLayout:
+  """Where a block's pieces sit in one reader input: title pieces at [title_start, title_start +
+  n_title), body pieces (the first n_body of the block's) at [body_start, body_start + n_body)."""
+  title_start: int
+  n_title: int
+  body_start: int
+  n_body: int
+
+
+class QaBatcher:
+  """Builds reader inputs and fine-tuning batches from a corpus.
+
+  Args:
+    corpus: a `Corpus` (blocks by row, with title/body text and word pieces).
+    tokenizer: the reader's tokenizer (the corpus's vocabulary).
+    question_length, reader_length: word-piece budgets of `[CLS] q [SEP]` and of a reader input.
+    max_answer_spans: gold spans kept per block (A).
+    max_span_width: the reader's longest span; longer gold spans cannot be predicted and are
+      dropped.
+    length_multiple: reader inputs are padded to a multiple of this.
+    question_multiple: question inputs are padded to a multiple of this.
+  """
+
+  def __init__(self, corpus, tokenizer: BertTokenizer, *, question_length: int = 64,
+               reader_length: int = 288, max_answer_spans: int = 8, max_span_width: int = 10,
+               length_multiple: int = 32, question_multiple: int = 8):
+    if reader_length < question_length + 4:
+      raise ValueError(f"reader_length={reader_length} leaves no room for a block after a question "
+                       f"of up to question_length={question_length} pieces.")
+    self.corpus, self.tokenizer = corpus, tokenizer
+    self.question_length, self.reader_length = question_length, reader_length
+    self.max_answer_spans, self.max_span_width = max_answer_spans, max_span_width
+    self.length_multiple, self.question_multiple = length_multiple, question_multiple
+    self._block = functools.lru_cache(maxsize=65_536)(self._load_block)
+    self._normalized = functools.lru_cache(maxsize=65_536)(
+        lambda row: normalize_answer(self._block(row)["text"]))
+
+  # ------------------------------------------------------------------------------- blocks
+  def _load_block(self, row: int) -> dict:
+    b = self.corpus[int(row)]
+    return {"title": b["title"], "body": b["body"], "text": b["title"] + " " + b["body"],
+            "title_ids": [int(x) for x in b["title_token_ids"]],
+            "body_ids": [int(x) for x in b["token_ids"]]}
+
+  def block(self, row: int) -> dict:
+    """{title, body, text, title_ids, body_ids} of a corpus row (cached)."""
+    return self._block(int(row))
+
+  def question_ids(self, question: str) -> list[int]:
+    """Word pieces of a question, cut to fit `[CLS] q [SEP]` in question_length."""
+    if not isinstance(question, str) or not question.strip():
+      raise ValueError("The question is empty: ask something.")
+    if len(question) > MAX_QUESTION_CHARS:
+      raise ValueError(f"The question has {len(question):,} characters; ask it in at most "
+                       f"{MAX_QUESTION_CHARS:,} (it is read as {self.question_length} word "
+                       "pieces at most).")
+    ids = self.tokenizer.encode(question)
+    if not ids:
+      raise ValueError(f"The question {question!r} has no word pieces.")
+    return ids[:self.question_length - 2]
+
+  def has_answer(self, row: int, answers: Sequence[str], answer_type: str) -> bool:
+    if answer_type == "regex":
+      return regex_match(self.block(row)["text"], answers)
+    return has_answer("", answers, normalized_text=self._normalized(int(row)))
+
+  # ----------------------------------------------------------------------- reader inputs
+  def layout(self, q_ids: Sequence[int], row: int) -> ReaderLayout:
+    b = self.block(row)
+    title = b["title_ids"]
+    title_start = len(q_ids) + 2
+    body_start = title_start + len(title) + (1 if title else 0)
+    n_body = max(0, min(len(b["body_ids"]), self.reader_length - body_start - 1))
+    return ReaderLayout(title_start, len(title), body_start, n_body)
+
+  def reader_row(self, q_ids: Sequence[int], row: int, length: int) -> tuple[dict, ReaderLayout]:
+    """One reader input of `length` pieces: input_ids, attention_mask, token_type_ids, block_mask."""
+    b, lay = self.block(row), self.layout(q_ids, row)
+    tok = self.tokenizer
+    ids = [tok.cls_id, *q_ids, tok.sep_id]
+    if lay.n_title:
+      ids += [*b["title_ids"], tok.sep_id]
+    ids += [*b["body_ids"][:lay.n_body], tok.sep_id]
+    n = len(ids)
+    out = {k: np.zeros(length, np.int32) for k in ("input_ids", "attention_mask",
+                                                    "token_type_ids", "block_mask")}
+    out["input_ids"][:n] = ids
+    out["attention_mask"][:n] = 1
+    out["token_type_ids"][len(q_ids) + 2:n] = 1
+    out["block_mask"][lay.title_start:lay.title_start + lay.n_title] = 1
+    out["block_mask"][lay.body_start:lay.body_start + lay.n_body] = 1
+    return out, lay
+
+  def padded_length(self, q_ids_list: Sequence[Sequence[int]], rows: np.ndarray) -> int:
+    """The bucketed length that fits every (question, block) of a batch."""
+    longest = self.max_span_width
+    for q_ids, row_list in zip(q_ids_list, rows):
+      for r in row_list:
+        if r >= 0:
+          lay = self.layout(q_ids, r)
+          longest = max(longest, lay.body_start + lay.n_body + 1)
+    m = self.length_multiple
+    return min(-(-longest // m) * m, max(self.reader_length, self.max_span_width))
+
+  def reader_inputs(self, q_ids_list: Sequence[Sequence[int]], rows: np.ndarray
+                    ) -> tuple[dict, list[list[ReaderLayout | None]]]:
+    """Reader arrays [B, R, L] for rows [B, R] (-1 = no block: all-zero input) and the layouts."""
+    rows = np.asarray(rows)
+    length = self.padded_length(q_ids_list, rows)
+    b, r = rows.shape
+    out = {k: np.zeros((b, r, length), np.int32) for k in ("input_ids", "attention_mask",
+                                                            "token_type_ids", "block_mask")}
+    layouts: list[list[ReaderLayout | None]] = []
+    for i, (q_ids, row_list) in enumerate(zip(q_ids_list, rows)):
+      layouts.append([])
+      for j, row in enumerate(row_list):
+        if row < 0:
+          out["input_ids"][i, j, 0] = self.tokenizer.cls_id
+          out["attention_mask"][i, j, 0] = 1  # a lone [CLS]: finite attention, no valid span
+          layouts[-1].append(None)
+          continue
+        one, lay = self.reader_row(q_ids, row, length)
+        for k, v in one.items():
+          out[k][i, j] = v
+        layouts[-1].append(lay)
+    return out, layouts
+
+  # -------------------------------------------------------------------------- gold spans
+  def gold_spans(self, row: int, lay: ReaderLayout, answers: Sequence[str], answer_type: str,
+                 pieces: Sequence[Sequence[int]] | None = None) -> list[tuple[int, int]]:
+    """Reader-input positions (inclusive) of the answers in block `row` laid out as `lay`."""
+    b = self.block(row)
+    found = []
+    segments = ((b["title"], b["title_ids"], lay.title_start, lay.n_title),
+                (b["body"], b["body_ids"][:lay.n_body], lay.body_start, lay.n_body))
+    for text, ids, start, n in segments:
+      if n == 0:
+        continue
+      if answer_type == "regex":
+        enc_ids, offsets = self.tokenizer.encode_batch_with_offsets([text])[0]
+        spans = char_spans_to_pieces(offsets[:n], regex_char_spans(text, answers))
+      else:
+        spans = find_subsequences(ids, pieces if pieces is not None
+                                  else answer_pieces(self.tokenizer, answers))
+      found += [(start + s, start + e) for s, e in spans
+                if e < n and e - s + 1 <= self.max_span_width]
+    return sorted(set(found))[:self.max_answer_spans]
+
+  # ----------------------------------------------------------------------- train batches
+  def train_batch(self, questions: Sequence[dict], beam_rows: np.ndarray,
+                  embeddings: np.ndarray, reader_blocks: int) -> dict:
+    """The batch of `realm_jax.train.qa_step` for questions and their beams.
+
+    Args:
+      questions: B question dicts (question, answers, answer_type).
+      beam_rows: [B, Z] corpus rows of each question's retrieved beam, best first (-1 = none).
+      embeddings: [N, D] frozen document embeddings by corpus row.
+      reader_blocks: R, the beam's first R blocks are read; 0 = a retriever-only batch.
+    """
+    beam_rows = np.asarray(beam_rows)
+    b, z = beam_rows.shape
+    if reader_blocks == 0:  # retriever-only batch
+      mask = (beam_rows >= 0).astype(np.int32)
+      has = np.zeros((b, z), np.int32)
+      for i, q in enumerate(questions):
+        answers, kind = answers_of(q)
+        for j in range(z):
+          if mask[i, j]:
+            has[i, j] = self.has_answer(beam_rows[i, j], answers, kind)
+      return {"question": self.questions([q["question"] for q in questions]),
+              "beam_embeddings": (embeddings[np.maximum(beam_rows, 0)] * mask[..., None]
+                                  ).astype(np.float32),
+              "beam_mask": mask, "beam_has_answer": has}
+    if reader_blocks > z:
+      raise ValueError(f"reader_blocks={reader_blocks} is more than the beam of {z}.")
+    q_ids = [self.question_ids(q["question"]) for q in questions]
+    question = self._questions(q_ids)
+    beam_mask = (beam_rows >= 0).astype(np.int32)
+    has = np.zeros((b, z), np.int32)
+    read = beam_rows[:, :reader_blocks]
+    reader, layouts = self.reader_inputs(q_ids, read)
+    a = self.max_answer_spans
+    gold_starts = np.full((b, reader_blocks, a), -1, np.int32)
+    gold_ends = np.full((b, reader_blocks, a), -1, np.int32)
+    for i, q in enumerate(questions):
+      answers, kind = answers_of(q)
+      for j in range(z):
+        if beam_rows[i, j] >= 0:
+          has[i, j] = self.has_answer(beam_rows[i, j], answers, kind)
+      pieces = answer_pieces(self.tokenizer, answers) if kind == "text" else None
+      for j in range(reader_blocks):
+        if layouts[i][j] is None or not has[i, j]:
+          continue
+        spans = self.gold_spans(read[i, j], layouts[i][j], answers, kind, pieces)
+        for k, (s, e) in enumerate(spans):
+          gold_starts[i, j, k], gold_ends[i, j, k] = s, e
+    emb = embeddings[np.maximum(beam_rows, 0)] * beam_mask[..., None]
+    block_mask = reader.pop("block_mask")
+    return {"question": question, "beam_embeddings": emb.astype(np.float32),
+            "beam_mask": beam_mask, "beam_has_answer": has, "reader": reader,
+            "block_mask": block_mask, "gold_starts": gold_starts, "gold_ends": gold_ends}
+
+  def _questions(self, q_ids: Sequence[Sequence[int]]) -> dict:
+    """`[CLS] q [SEP]` arrays [B, Lq], padded to the longest rounded up to question_multiple."""
+    m = self.question_multiple
+    length = min(-(-(max(len(x) for x in q_ids) + 2) // m) * m, max(self.question_length, 8))
+    out = {k: np.zeros((len(q_ids), length), np.int32)
+           for k in ("input_ids", "attention_mask", "token_type_ids")}
+    for i, ids in enumerate(q_ids):
+      row = [self.tokenizer.cls_id, *ids, self.tokenizer.sep_id]
+      out["input_ids"][i, :len(row)] = row
+      out["attention_mask"][i, :len(row)] = 1
+    return out
+
+  def questions(self, texts: Sequence[str]) -> dict:
+    return self._questions([self.question_ids(t) for t in texts])
+
+  def any_answer_in(self, question: dict, rows: Sequence[int]) -> bool:
+    answers, kind = answers_of(question)
+    return any(self.has_answer(r, answers, kind) for r in rows if r >= 0)

@@ -1,0 +1,150 @@
+"""Open-QA fine-tuning loop, evaluation and baselines on the tiny config (40 articles, NQ-Open
+questions from ../shared): the loop trains, selects and resumes; the reader waits during the
+retriever-only steps; EM and recall@k of every system equal an independent computation (brute-
+force dense search, BM25 search, has_answer / exact_match on the written predictions)."""
+
+import json
+import os
+
+import chex
+import jax
+import numpy as np
+import pytest
+from test_qa_step import MODELS, make_batch, make_params
+
+from realm_jax.configs.finetune import get_config
+from realm_jax.data.qa_batches import answers_of
+from realm_jax.eval import report
+from realm_jax.eval.answers import exact_match
+from realm_jax.retrieval.bm25 import BM25Index
+from realm_jax.train import finetune
+from realm_jax.train.qa_step import TrainState, qa_train_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NQ = os.path.join(os.path.dirname(ROOT), "shared", "data", "nq_open")
+
+
+def tiny_config(**overrides):
+  c = get_config("tiny")
+  c.data.local_dir = NQ
+  c.retriever_steps = 2
+  for k, v in overrides.items():
+    c[k] = v
+  return c
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("qa"))
+  best = finetune.finetune(tiny_config(), workdir)
+  return workdir, best
+
+
+def test_loop_logs_selects_and_checkpoints(run):
+  workdir, best = run
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  train = [r for r in rows if r["split"] == "train"]
+  dev = [r for r in rows if r["split"] == "dev"]
+  assert [r["step"] for r in train] == [2, 4] and [r["step"] for r in dev] == [2, 4]
+  assert all(np.isfinite(r["loss"]) for r in train)
+  # Steps 1-2 are retriever-only: no reader loss, and the reader's learning rate is still 0.
+  assert train[0]["reader_loss"] == 0.0 and train[0]["reader_learning_rate"] == 0.0
+  assert train[1]["reader_learning_rate"] > 0.0 and train[1]["reader_loss"] > 0.0
+  # The kept model is the dev-best one (EM, then recall@5) of the evaluations that were logged.
+  keys = [(r.get("em", 0.0), r["recall_5"], -r["step"]) for r in dev]
+  top = max(keys)
+  assert best["step"] == -top[2] and (best["dev_em"], best["dev_recall"]) == top[:2]
+  setup = finetune.QaSetup(finetune.load_workdir_config(workdir), workdir, build_missing=False)
+  params, meta = setup.best_params()
+  assert meta["step"] == best["step"]
+  chex.assert_trees_all_equal_shapes(params, setup.init_params)
+
+
+def test_rerun_resumes_and_has_nothing_left_to_do(run):
+  workdir, best = run
+  trainer = finetune.QaTrainer(tiny_config(), workdir)
+  assert trainer.run() == best
+  assert int(trainer.state.step) == 4 and trainer.position["cursor"] > 0
+
+
+def test_workdir_with_other_data_is_refused(run):
+  workdir, _ = run
+  other = tiny_config()
+  other.data.test_percent = 50.0
+  with pytest.raises(ValueError, match="another config"):
+    finetune.QaTrainer(other, workdir)
+
+
+def test_reader_waits_for_the_retriever_steps():
+  """qa_optimizer: during the retriever-only steps the reader does not move at all (lr 0, no
+  decay); then it does. The question tower moves from the first step."""
+  c = tiny_config(num_steps=6, retriever_steps=2, warmup_steps=0)
+  _, tx = finetune.qa_optimizer(c)
+  params = make_params()
+  state = TrainState.create(apply_fn=None, params=params, tx=tx)
+  step = jax.jit(lambda s, b, r: qa_train_step(s, b, r, models=MODELS))
+  full = make_batch()
+  retriever_only = {k: full[k] for k in ("question", "beam_embeddings", "beam_mask",
+                                         "beam_has_answer")}
+  before = jax.device_get(state.params)
+  for _ in range(2):
+    state, out = step(state, retriever_only, jax.random.key(0))
+    assert float(out["reader_loss_sum"]) == 0.0
+  chex.assert_trees_all_equal(jax.device_get(state.params["reader"]), before["reader"])
+  assert not np.allclose(jax.device_get(state.params["query_tower"]["realm"]["embeddings"]
+                                        ["word_embeddings"]["embedding"]),
+                         before["query_tower"]["realm"]["embeddings"]["word_embeddings"]
+                         ["embedding"])
+  state, _ = step(state, full, jax.random.key(1))
+  moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), jax.device_get(
+      state.params["reader"]["qa_outputs"]), before["reader"]["qa_outputs"])
+  assert all(jax.tree.leaves(moved))
+  with pytest.raises(ValueError, match="retriever_steps"):
+    finetune.qa_optimizer(tiny_config(num_steps=4, retriever_steps=4))
+
+
+def test_evaluate_systems_against_independent_computation(run, tmp_path):
+  workdir, _ = run
+  config = finetune.load_workdir_config(workdir)
+  setup = finetune.QaSetup(config, workdir, build_missing=False)
+  questions = finetune.split_questions(config)["test"][:12]
+  ks = (1, 2, 5)
+  results = report.evaluate_systems(setup, questions, ks=ks, out_dir=str(tmp_path),
+                                    progress=False)
+  assert set(results) == set(report.SYSTEMS)
+  corpus, table = setup.corpus, setup.table
+  texts = [setup.batcher.block(r)["text"] for r in range(len(corpus))]
+
+  def recall(rows):
+    hit = np.array([[r >= 0 and setup.batcher.has_answer(r, answers_of(q)[0], "text")
+                     for r in row] for q, row in zip(questions, rows)])
+    return {k: 100.0 * hit[:, :k].any(1).mean() for k in ks}
+
+  params, _ = setup.best_params()
+  for name, tower in (("finetuned", params["query_tower"]),
+                      ("dense_untuned", setup.init_params["query_tower"])):
+    q = np.asarray(setup.models.query_tower.apply(
+        {"params": tower}, **{k: v for k, v in setup.batcher.questions(
+            [x["question"] for x in questions]).items()}))
+    rows = np.argsort(-(q @ table.T), axis=1, kind="stable")[:, :max(ks)]  # brute force
+    assert results[name]["recall"] == pytest.approx(recall(rows)), name
+  _, bm_rows = BM25Index.build(texts).search([q["question"] for q in questions], max(ks))
+  assert results["bm25"]["recall"] == pytest.approx(recall(bm_rows))
+  for name in report.SYSTEMS:
+    preds = [json.loads(line) for line in open(tmp_path / f"predictions-{name}.jsonl")]
+    assert [p["question"] for p in preds] == [q["question"] for q in questions]
+    em = 100.0 * np.mean([exact_match(p["answer"], q["answers"]) for p, q in zip(preds,
+                                                                                   questions)])
+    assert results[name]["em"] == pytest.approx(em)
+    for p in preds:  # the answer is cut from the evidence block it came from
+      ev = [e for e in p["evidence"] if e["block_id"] == p["block_id"]]
+      assert ev and p["answer"] == ev[0]["best_span"]
+      row = int(corpus.rows_of(p["block_id"]))
+      assert corpus[row]["title"] == ev[0]["title"]
+      field = ev[0]["span"]["field"]
+      if field:
+        a, b = ev[0]["span"]["start"], ev[0]["span"]["end"]
+        assert corpus[row][field][a:b] in p["answer"]
+  saved = json.loads(open(tmp_path / "results.json").read())
+  assert saved["bm25"]["em"] == pytest.approx(results["bm25"]["em"])
+  assert "| finetuned |" in report.format_table(results, ks)

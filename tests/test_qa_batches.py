@@ -1,0 +1,168 @@
+"""Reader inputs and fine-tuning batches: layout, gold spans (text and regex) located by hand, has-
+answer masks equal to the recall definition, retriever-only batches, and answer text cut from the
+block's own characters."""
+
+import numpy as np
+import pytest
+
+from realm_jax.checkpoints.minilm import load_minilm
+from realm_jax.data.qa_batches import (MAX_QUESTION_CHARS, QaBatcher, answer_pieces,
+                                       char_spans_to_pieces, find_subsequences)
+from realm_jax.eval.answers import has_answer
+from realm_jax.eval.open_qa import is_correct, regex_exact_match
+from realm_jax.text import BertTokenizer
+
+BLOCKS = [
+    ("Charles Darwin", "Charles Robert Darwin was an English naturalist. He wrote On the Origin of "
+     "Species in 1859."),
+    ("Mount Everest", "Mount Everest is Earth's highest mountain above sea level, at 8,849 m."),
+    ("", "Café au lait is coffee with hot milk; it is popular in France."),
+]
+
+
+class FakeCorpus:
+  """Blocks by row, tokenised with the real vocabulary (the fields a built corpus has)."""
+
+  def __init__(self, tok):
+    self.rows = []
+    for title, body in BLOCKS:
+      self.rows.append({"title": title, "body": body, "title_token_ids": tok.encode(title) if title
+                        else [], "token_ids": tok.encode(body)})
+    self.block_ids = np.arange(100, 100 + len(BLOCKS), dtype=np.int64)
+
+  def __len__(self):
+    return len(self.rows)
+
+  def __getitem__(self, row):
+    return self.rows[int(row)]
+
+  def rows_of(self, ids):
+    ids = np.asarray(ids)
+    return np.where((ids >= 100) & (ids < 100 + len(BLOCKS)), ids - 100, -1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return BertTokenizer(load_minilm()[2])
+
+
+@pytest.fixture(scope="module")
+def batcher(tok):
+  return QaBatcher(FakeCorpus(tok), tok, question_length=16, reader_length=64,
+                   max_answer_spans=4, max_span_width=6, length_multiple=16)
+
+
+def test_find_subsequences_and_char_spans_by_hand():
+  assert find_subsequences([5, 1, 2, 3, 1, 2], [[1, 2], [3], [9]]) == [(1, 2), (3, 3), (4, 5)]
+  assert find_subsequences([1], [[1, 2]]) == []
+  offsets = [(0, 3), (4, 7), (7, 9), (10, 12)]        # "abc def|gh ij"
+  assert char_spans_to_pieces(offsets, [(4, 9)]) == [(1, 2)]
+  assert char_spans_to_pieces(offsets, [(5, 8)]) == [(1, 2)]  # partial pieces are covered
+  assert char_spans_to_pieces(offsets, [(10, 12), (3, 4)]) == [(3, 3)]  # a gap matches nothing
+
+
+def test_reader_layout_and_block_mask(batcher, tok):
+  q = batcher.question_ids("who wrote on the origin of species")
+  one, lay = batcher.reader_row(q, 0, 64)
+  ids = one["input_ids"]
+  n = int(one["attention_mask"].sum())
+  title, body = BLOCKS[0]
+  want = [tok.cls_id, *q, tok.sep_id, *tok.encode(title), tok.sep_id, *tok.encode(body), tok.sep_id]
+  assert list(ids[:n]) == want and (ids[n:] == 0).all()
+  short = QaBatcher(batcher.corpus, tok, question_length=16, reader_length=24)
+  cut, cut_lay = short.reader_row(q, 0, 24)
+  assert list(cut["input_ids"]) == want[:23] + [tok.sep_id]  # the body is cut to fit 24
+  assert cut_lay.n_body == 24 - 1 - cut_lay.body_start
+  assert list(ids[lay.title_start:lay.title_start + lay.n_title]) == tok.encode(title)
+  assert one["block_mask"].sum() == lay.n_title + lay.n_body
+  assert one["block_mask"][lay.title_start + lay.n_title] == 0  # the [SEP] between title and body
+  assert (one["token_type_ids"][:len(q) + 2] == 0).all() and (one["token_type_ids"][len(q) + 2:n]
+                                                               == 1).all()
+  # A block without a title: [CLS] q [SEP] body [SEP]
+  one, lay = batcher.reader_row(q, 2, 64)
+  assert lay.n_title == 0 and lay.body_start == len(q) + 2
+
+
+def test_gold_spans_text_and_regex(batcher, tok):
+  q = batcher.question_ids("who wrote on the origin of species")
+  one, lay = batcher.reader_row(q, 0, 64)
+  # "Charles Darwin" occurs in the title; "The Origin of Species" (normalised: no article) in the
+  # body, as written with "On the Origin..." around it.
+  spans = batcher.gold_spans(0, lay, ["Charles Darwin"], "text")
+  got = [tok.decode(one["input_ids"][s:e + 1]) for s, e in spans]
+  assert got == ["charles darwin"]
+  assert spans[0][0] == lay.title_start
+  spans = batcher.gold_spans(0, lay, ["The Origin of Species"], "text")
+  # Both spans normalise to the answer: with and without the article.
+  assert [tok.decode(one["input_ids"][s:e + 1]) for s, e in spans] == [
+      "the origin of species", "origin of species"]
+  # A regex answer: 18[0-9]{2} matches "1859" in the body.
+  spans = batcher.gold_spans(0, lay, [r"18[0-9]{2}"], "regex")
+  assert [tok.decode(one["input_ids"][s:e + 1]) for s, e in spans] == ["1859"]
+  # Wider than max_span_width (6): dropped.
+  assert batcher.gold_spans(0, lay, ["Charles Robert Darwin was an English naturalist"],
+                            "text") == []
+
+
+def test_train_batch_has_answer_matches_recall_definition(batcher, tok):
+  qs = [{"question": "highest mountain", "answers": ["Mount Everest"], "answer_type": "text"},
+        {"question": "coffee with milk", "answers": ["cafe au lait"], "answer_type": "text"},
+        {"question": "when was origin published", "answers": ["18[0-9]{2}"],
+         "answer_type": "regex"}]
+  beams = np.array([[1, 0, 2], [2, -1, 0], [0, 1, -1]])
+  emb = np.arange(3 * 4, dtype=np.float32).reshape(3, 4)
+  batch = batcher.train_batch(qs, beams, emb, reader_blocks=2)
+  want_has = np.array([[1, 0, 0], [1, 0, 0], [1, 0, 0]])
+  np.testing.assert_array_equal(batch["beam_has_answer"], want_has)
+  for i, q in enumerate(qs[:2]):
+    for j, r in enumerate(beams[i]):
+      if r >= 0:
+        text = BLOCKS[r][0] + " " + BLOCKS[r][1]
+        assert batch["beam_has_answer"][i, j] == has_answer(text, q["answers"])
+  np.testing.assert_array_equal(batch["beam_mask"], beams >= 0)
+  np.testing.assert_array_equal(batch["beam_embeddings"][0, 0], emb[1])
+  assert (batch["beam_embeddings"][1, 1] == 0).all()
+  q_ids = [batcher.question_ids(q["question"]) for q in qs]
+  longest = max(batcher.layout(q_ids[i], r).body_start + batcher.layout(q_ids[i], r).n_body + 1
+                for i in range(3) for r in beams[i, :2] if r >= 0)
+  assert batch["reader"]["input_ids"].shape == (3, 2, -(-longest // 16) * 16)
+  # Gold spans decode to the answers; the accent-free "cafe au lait" finds "Café au lait".
+  ids = batch["reader"]["input_ids"]
+  s, e = batch["gold_starts"][1, 0, 0], batch["gold_ends"][1, 0, 0]
+  assert tok.decode(ids[1, 0, s:e + 1]) == "cafe au lait"
+  s, e = batch["gold_starts"][2, 0, 0], batch["gold_ends"][2, 0, 0]
+  assert tok.decode(ids[2, 0, s:e + 1]) == "1859"
+  assert (batch["gold_starts"][:, 1] == -1).all()  # read block 2 of each has no answer
+  # Retriever-only batch: the same beams and masks, no reader inputs.
+  only = batcher.train_batch(qs, beams, emb, reader_blocks=0)
+  assert "reader" not in only
+  np.testing.assert_array_equal(only["beam_has_answer"], want_has)
+
+
+def test_padding_follows_the_longest_block(batcher):
+  q = batcher.question_ids("coffee")
+  inputs, _ = batcher.reader_inputs([q], np.array([[2]]))
+  assert inputs["input_ids"].shape[-1] == 32  # 3 + 1 + ~17 pieces -> a multiple of 16
+
+
+def test_question_errors(batcher):
+  for bad in ("", "   "):
+    with pytest.raises(ValueError, match="empty"):
+      batcher.question_ids(bad)
+  with pytest.raises(ValueError, match="characters"):
+    batcher.question_ids("x" * (MAX_QUESTION_CHARS + 1))
+
+
+def test_answer_pieces_include_the_normalised_form(tok):
+  pieces = answer_pieces(tok, ["The Beatles!"])
+  assert tuple(tok.encode("beatles")) in pieces and tuple(tok.encode("The Beatles!")) in pieces
+
+
+def test_regex_exact_match_and_is_correct():
+  assert regex_exact_match("1859", [r"18[0-9]{2}"])
+  assert not regex_exact_match("in 1859", [r"18[0-9]{2}"])  # anchored at the start (DrQA)
+  assert regex_exact_match("Mount Everest", [r"(mount\s+)?everest"])
+  assert is_correct("the Everest", {"answers": ["Everest"]})
+  assert not is_correct("Everest base camp", {"answers": ["Everest"]})
+  with pytest.raises(ValueError, match="regular expression"):
+    regex_exact_match("x", ["("])
