@@ -166,3 +166,21 @@ def test_regex_exact_match_and_is_correct():
   assert not is_correct("Everest base camp", {"answers": ["Everest"]})
   with pytest.raises(ValueError, match="regular expression"):
     regex_exact_match("x", ["("])
+
+
+def test_spans_start_and_end_on_whole_words(batcher, tok):
+  """"Café au lait" is cafe / au / lai / ##t: a span may start at cafe, au or lai, and end at
+  cafe, au or ##t, never at lai (##t follows) or at ##t's start."""
+  q = batcher.question_ids("coffee")
+  inputs, lays = batcher.reader_inputs([q], np.array([[2]]))
+  lay = lays[0][0]
+  ids = inputs["input_ids"][0, 0]
+  pieces = [tok.id_to_token(int(i)) for i in ids[lay.body_start:lay.body_start + 4]]
+  assert pieces == ["cafe", "au", "lai", "##t"]
+  start = inputs["word_start"][0, 0, lay.body_start:lay.body_start + 4]
+  end = inputs["word_end"][0, 0, lay.body_start:lay.body_start + 4]
+  np.testing.assert_array_equal(start, [1, 1, 1, 0])
+  np.testing.assert_array_equal(end, [1, 1, 0, 1])
+  # Outside the block nothing may start or end.
+  outside = inputs["block_mask"][0, 0] == 0
+  assert not inputs["word_start"][0, 0][outside].any() and not inputs["word_end"][0, 0][outside].any()

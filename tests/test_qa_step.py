@@ -151,3 +151,30 @@ def test_only_question_tower_and_reader_move():
     if "pooler" in jax.tree_util.keystr(path):
       continue  # the reader's BERT pooler (kept for HF parity) feeds no span score
     assert not np.array_equal(new, old), f"{jax.tree_util.keystr(path)} did not move"
+
+
+def test_prediction_only_picks_whole_word_spans():
+  """With word_start / word_end allowing a single (start, end) per block, that span is each
+  block's best and its logit is unchanged; the training loss sees only allowed spans."""
+  from realm_jax.train.qa_step import qa_predict_step, whole_word_spans
+  params, batch = make_params(), make_batch()
+  b, r, l = batch["reader"]["input_ids"].shape
+  batch["word_start"] = np.zeros((b, r, l), np.int32)
+  batch["word_end"] = np.zeros((b, r, l), np.int32)
+  batch["word_start"][:, :, 6] = 1
+  batch["word_end"][:, :, 7] = 1
+  read = dict(batch, beam_embeddings=batch["beam_embeddings"][:, :r],
+              beam_mask=batch["beam_mask"][:, :r])
+  got = jax.device_get(jax.jit(lambda p, x: qa_predict_step(p, x, models=MODELS))(params, read))
+  from realm_jax.models.reader import span_candidates
+  starts, ends = span_candidates(l, CFG.max_span_width)
+  allowed = int(np.flatnonzero((starts == 6) & (ends == 7))[0])
+  real = read["beam_mask"] > 0
+  assert (got["block_best"][real] == allowed).all()
+  out = MODELS.reader.apply({"params": params["reader"]}, batch["reader"]["input_ids"],
+                            batch["reader"]["attention_mask"], batch["reader"]["token_type_ids"],
+                            batch["block_mask"], got["retriever_logits"])
+  np.testing.assert_allclose(got["block_score"][real], np.asarray(out["span_logits"])[..., allowed][real],
+                             rtol=1e-6)
+  logits, valid = whole_word_spans(out, batch)
+  assert int(np.asarray(valid).sum()) <= b * r and np.asarray(valid)[..., allowed].sum() > 0

@@ -34,6 +34,17 @@ ANSWER_TYPES = ("text", "regex")
 MAX_QUESTION_CHARS = 1_000
 
 
+def check_question(question: str) -> str:
+  """The question stripped; ValueError when it is not text, empty or over MAX_QUESTION_CHARS."""
+  if not isinstance(question, str) or not question.strip():
+    raise ValueError("The question is empty: ask something, e.g. 'who wrote the origin of "
+                     "species'.")
+  if len(question) > MAX_QUESTION_CHARS:
+    raise ValueError(f"The question has {len(question):,} characters: ask it in at most "
+                     f"{MAX_QUESTION_CHARS:,}.")
+  return question.strip()
+
+
 def answers_of(question: dict) -> tuple[list[str], str]:
   """(answers, answer_type) of a question dict from `load_questions` ("answers") or
   `load_qa_jsonl` ("answer")."""
@@ -138,6 +149,7 @@ class QaBatcher:
     self.question_length, self.reader_length = question_length, reader_length
     self.max_answer_spans, self.max_span_width = max_answer_spans, max_span_width
     self.length_multiple, self.question_multiple = length_multiple, question_multiple
+    self._continuation = tokenizer.continuation
     self._block = functools.lru_cache(maxsize=65_536)(self._load_block)
     self._normalized = functools.lru_cache(maxsize=65_536)(
         lambda row: normalize_answer(self._block(row)["text"]))
@@ -155,12 +167,7 @@ class QaBatcher:
 
   def question_ids(self, question: str) -> list[int]:
     """Word pieces of a question, cut to fit `[CLS] q [SEP]` in question_length."""
-    if not isinstance(question, str) or not question.strip():
-      raise ValueError("The question is empty: ask something.")
-    if len(question) > MAX_QUESTION_CHARS:
-      raise ValueError(f"The question has {len(question):,} characters; ask it in at most "
-                       f"{MAX_QUESTION_CHARS:,} (it is read as {self.question_length} word "
-                       "pieces at most).")
+    check_question(question)
     ids = self.tokenizer.encode(question)
     if not ids:
       raise ValueError(f"The question {question!r} has no word pieces.")
@@ -230,6 +237,13 @@ class QaBatcher:
         for k, v in one.items():
           out[k][i, j] = v
         layouts[-1].append(lay)
+    # Spans start and end on whole words: not on a "##" piece, not before one.
+    cont = self._continuation[out["input_ids"]]
+    nxt = np.concatenate([cont[..., 1:], np.zeros_like(cont[..., :1])], axis=-1)
+    out["word_start"] = (out["block_mask"] > 0) & ~cont
+    out["word_end"] = (out["block_mask"] > 0) & ~nxt
+    out["word_start"] = out["word_start"].astype(np.int32)
+    out["word_end"] = out["word_end"].astype(np.int32)
     return out, layouts
 
   # -------------------------------------------------------------------------- gold spans
@@ -302,10 +316,10 @@ class QaBatcher:
         for k, (s, e) in enumerate(spans):
           gold_starts[i, j, k], gold_ends[i, j, k] = s, e
     emb = embeddings[np.maximum(beam_rows, 0)] * beam_mask[..., None]
-    block_mask = reader.pop("block_mask")
+    extra = {k: reader.pop(k) for k in ("block_mask", "word_start", "word_end")}
     return {"question": question, "beam_embeddings": emb.astype(np.float32),
-            "beam_mask": beam_mask, "beam_has_answer": has, "reader": reader,
-            "block_mask": block_mask, "gold_starts": gold_starts, "gold_ends": gold_ends}
+            "beam_mask": beam_mask, "beam_has_answer": has, "reader": reader, **extra,
+            "gold_starts": gold_starts, "gold_ends": gold_ends}
 
   def _questions(self, q_ids: Sequence[Sequence[int]]) -> dict:
     """`[CLS] q [SEP]` arrays [B, Lq], padded to the longest rounded up to question_multiple."""

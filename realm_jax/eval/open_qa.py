@@ -97,9 +97,9 @@ class OpenQa:
       q_ids = q_ids + [q_ids[0]] * (bs - n)
       rows = np.concatenate([rows, np.full((bs - n, rows.shape[1]), -1, rows.dtype)])
     reader, layouts = self.batcher.reader_inputs(q_ids, rows)
-    block_mask = reader.pop("block_mask")
-    batch = {"question": self.batcher._questions(q_ids), "reader": reader,
-             "block_mask": block_mask, "beam_mask": (rows >= 0).astype(np.int32),
+    masks = {k: reader.pop(k) for k in ("block_mask", "word_start", "word_end")}
+    batch = {"question": self.batcher._questions(q_ids), "reader": reader, **masks,
+             "beam_mask": (rows >= 0).astype(np.int32),
              "beam_embeddings": self.table[np.maximum(rows, 0)].astype(np.float32)}
     got = jax.device_get(self._predict(self.params, batch))
     starts, ends = _span_table(reader["input_ids"].shape[-1], self.batcher.max_span_width)

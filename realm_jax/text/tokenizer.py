@@ -26,7 +26,7 @@ MAX_TEXT_CHARS = 1_000_000
 class BertTokenizer:
   """WordPiece tokenizer of an uncased (default) or cased BERT vocab file (local or gs://).
 
-  Attributes: `vocab_size`, and the ids `pad_id`, `unk_id`, `cls_id`, `sep_id`, `mask_id`.
+  Attributes: `vocab_size`, `continuation` ([vocab_size] bool: a "##" piece), and the ids `pad_id`, `unk_id`, `cls_id`, `sep_id`, `mask_id`.
   """
 
   def __init__(self, vocab_file: str | os.PathLike, lowercase: bool = True):
@@ -50,6 +50,9 @@ class BertTokenizer:
           "WordPiece vocab (one token per line, with [PAD] [UNK] [CLS] [SEP] [MASK]).")
     self.vocab_file = vocab_file
     self.vocab_size = max(vocab.values()) + 1
+    # Which ids continue a word ("##ing"): answer spans must not start or end inside a word.
+    self.continuation = np.zeros(self.vocab_size, bool)
+    self.continuation[[i for t, i in vocab.items() if t.startswith("##")]] = True
     tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
     tok.normalizer = normalizers.BertNormalizer(
         clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase)

@@ -110,17 +110,15 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   if not as_path(path).exists():
     raise FileNotFoundError(
         f"{path} does not exist: {workdir} is not a fine-tuning work directory. Run "
-        f"experiments/finetune.py --workdir={workdir} first (or pass --config).")
+        f"experiments/finetune.py --workdir={workdir} first.")
   return ml_collections.ConfigDict(read_json(path))
 
 
 def open_index(config, workdir: str, build_missing: bool = True):
   """(corpus, index, towers): the index published in `workdir`, built first if it is not there
   (else, with build_missing=False, a FileNotFoundError that says how to build it)."""
-  if latest_index_dir(os.path.join(workdir, "index")) is None and not build_missing:
-    raise FileNotFoundError(
-        f"No index in {workdir}/index: build it with experiments/finetune.py --workdir={workdir} "
-        "(or experiments/build_index.py with the same retrieval config).")
+  if not build_missing:
+    check_index(workdir)
   towers = build.towers_of(config.retrieval)
   if latest_index_dir(os.path.join(workdir, "index")) is None:
     corpus, index, _ = build.build_index(config.retrieval, workdir, towers)
@@ -179,6 +177,24 @@ class QaSetup:
           f"{self.workdir}/{BEST} holds no fine-tuned model: run experiments/finetune.py "
           f"--workdir={self.workdir} first.")
     return got
+
+
+def check_index(workdir: str) -> None:
+  """FileNotFoundError (saying how to build one) unless `workdir/index` holds a published index."""
+  if latest_index_dir(os.path.join(workdir, "index")) is None:
+    raise FileNotFoundError(
+        f"No index in {workdir}/index: build it with experiments/finetune.py --workdir={workdir} "
+        "(or experiments/build_index.py with the same retrieval config).")
+
+
+def check_best(workdir: str) -> None:
+  """FileNotFoundError unless `workdir/best` holds a finished checkpoint."""
+  path = as_path(os.path.join(workdir, BEST))
+  done = path.is_dir() and any(p.is_dir() and p.name.isdigit() for p in path.iterdir())
+  if not done:
+    raise FileNotFoundError(
+        f"{workdir}/{BEST} holds no fine-tuned model: run experiments/finetune.py "
+        f"--workdir={workdir} first.")
 
 
 # ---------------------------------------------------------------------------------------- train

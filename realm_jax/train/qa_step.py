@@ -23,6 +23,7 @@ A batch (numpy on the host, sharded along B on device):
   reader            {input_ids, attention_mask, token_type_ids}  [B, R, L]
                     [CLS] q [SEP] block [SEP] for beam blocks 0..R-1 (R <= Z)
   block_mask        [B, R, L] 1 on the block's tokens (spans must lie inside)
+  word_start, word_end  (optional) [B, R, L] 1 where a span may start / end: whole words only
   gold_starts, gold_ends  [B, R, A] int32 token positions of the answer spans, -1 = none
 A batch without `reader` (and the keys after it) is retriever-only: the loss is the retriever's
 alone, and only the question tower gets a gradient (a cheap warm-up of the question tower: its
@@ -35,12 +36,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from realm_jax.models.reader import RealmReader, correct_spans, marginal_nll, reader_losses
 from realm_jax.models.retriever import RealmEmbedder, relevance_scores
 from realm_jax.train.realm_step import NEG_INF, TrainState, loss_step
 
 Array = jax.Array
+_SPAN_NEG = float(np.finfo(np.float32).min)  # as the reader: the logit of an impossible span
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +81,18 @@ def qa_beam_logits(params, batch, models: QaModels, dropout_rng: Array | None = 
   return jnp.where(batch["beam_mask"] > 0, logits, NEG_INF)
 
 
+def whole_word_spans(out: dict, batch: dict) -> tuple[Array, Array]:
+  """(span logits, span valid) [B, R, N] of the reader's output, restricted to spans that start
+  and end on whole words when the batch has `word_start` / `word_end` [B, R, L] (the data
+  pipeline's; without them, every span inside the block counts)."""
+  logits, valid = out["span_logits"], out["span_valid"]
+  if "word_start" not in batch:
+    return logits, valid
+  ok = (jnp.take(batch["word_start"] > 0, out["starts"], axis=-1)
+        & jnp.take(batch["word_end"] > 0, out["ends"], axis=-1))
+  return jnp.where(ok, logits, _SPAN_NEG), valid & ok
+
+
 def qa_loss(params, batch, models: QaModels, dropout_rng: Array | None = None):
   """Sum over the batch of each question's retriever + reader loss; dropout iff `dropout_rng`.
 
@@ -110,13 +125,14 @@ def qa_loss(params, batch, models: QaModels, dropout_rng: Array | None = None):
   out = models.reader.apply(
       {"params": params["reader"]}, *_inputs(batch["reader"]), batch["block_mask"],
       beam_logits[:, :r], rngs is None, rngs=None if rngs is None else {"dropout": rngs[1]})
+  span_logits, span_valid = whole_word_spans(out, batch)
   span_correct = correct_spans(out["starts"], out["ends"], batch["gold_starts"],
                                batch["gold_ends"])                                  # [B, R, N]
-  span_correct &= out["span_valid"] & beam_mask[:, :r, None]
-  losses = reader_losses(beam_logits, has_answer, out["span_logits"], span_correct)
+  span_correct &= span_valid & beam_mask[:, :r, None]
+  losses = reader_losses(beam_logits, has_answer, span_logits, span_correct)
   loss = jnp.sum(losses["retriever_loss"] + losses["reader_loss"])
   flat_correct = span_correct.reshape(b, -1)
-  best = jnp.argmax(out["span_logits"].reshape(b, -1), axis=-1)                    # [B]
+  best = jnp.argmax(span_logits.reshape(b, -1), axis=-1)                           # [B]
   hit = jnp.take_along_axis(flat_correct, best[:, None], axis=-1)[:, 0]
   f32 = lambda x: jnp.sum(x.astype(jnp.float32))
   return loss, {
@@ -174,7 +190,8 @@ def qa_predict_step(params, batch: dict, *, models: QaModels) -> dict:
   logits = qa_beam_logits(params, batch, models)                                    # [B, R]
   out = models.reader.apply({"params": params["reader"]}, *_inputs(batch["reader"]),
                             batch["block_mask"], logits, True)
-  span_logits = jnp.where(batch["beam_mask"][..., None] > 0, out["span_logits"], NEG_INF)
+  span_logits = jnp.where(batch["beam_mask"][..., None] > 0, whole_word_spans(out, batch)[0],
+                          NEG_INF)
   b = span_logits.shape[0]
   flat = span_logits.reshape(b, -1)
   best = jnp.argmax(flat, axis=-1)

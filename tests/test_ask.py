@@ -1,0 +1,166 @@
+"""experiments/ask.py, realm_jax/eval/ask.py and the Colab notebook on one tiny fine-tuning run
+(40 articles, NQ-Open questions from ../shared): the evidence shown is the system's own retrieval
+(checked against a brute-force search of the index table), the JSON is the prediction, user
+mistakes end in one `error:` line with status 2, and the notebook answers and plots."""
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from realm_jax.eval import ask
+from realm_jax.train import finetune
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NQ = os.path.join(os.path.dirname(ROOT), "shared", "data", "nq_open")
+NOTEBOOK = os.path.join(ROOT, "experiments", "colab", "realm_jax_demo.ipynb")
+QUESTION = "who wrote the origin of species"
+
+
+def one_device_env():
+  """The environment of a user's run: one CPU device, not conftest's fake ones."""
+  return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  """A tiny fine-tuning run (2 steps, the last model kept as the best). In a process of its own:
+  on conftest's 8 fake devices of 2 cores the same run takes ~20 s more."""
+  workdir = str(tmp_path_factory.mktemp("qa"))
+  got = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments", "finetune.py"),
+       f"--config={ROOT}/realm_jax/configs/finetune.py:tiny", f"--workdir={workdir}",
+       f"--config.data.local_dir={NQ}", "--config.num_steps=2", "--config.eval_every=0"],
+      env=one_device_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert got.returncode == 0, got.stderr[-5000:]
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def system(workdir):
+  return ask.load_system(workdir)[0]
+
+
+def run_ask(*args):
+  """experiments/ask.py as a user runs it: one device, no test flags."""
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "ask.py"), *args],
+                        capture_output=True, text=True, env=one_device_env(),
+                        cwd=ROOT, timeout=300)
+
+
+def read_titles(system, question):
+  """Titles of the blocks read for `question`, by a brute-force search of the index table."""
+  scores = system.table @ system.embed([question])[0]                         # [N]
+  rows = np.argsort(-scores, kind="stable")[:system.reader_blocks]
+  return [system.corpus[int(r)]["title"] for r in rows], system.models.score_scale * scores[rows]
+
+
+def test_ask_prints_the_answer_and_the_retrieved_evidence(workdir, system):
+  got = run_ask(f"--workdir={workdir}", f"--question={QUESTION}")
+  assert got.returncode == 0, got.stderr
+  titles, _ = read_titles(system, QUESTION)
+  shown = re.findall(r"^ [ *] ?\d+\. (.+?)    \(retrieval", got.stdout, flags=re.M)
+  assert shown == titles
+  expected = system.answer([QUESTION])[0]
+  answer, score, seconds = re.search(r"^A: (.*)    \(score (-?[\d.]+), .*, ([\d.]+) s\)$",
+                                     got.stdout, flags=re.M).groups()
+  assert answer == (expected["answer"] or "(no answer)")
+  np.testing.assert_allclose(float(score), expected["score"], atol=0.01)
+  assert float(seconds) < 1.0  # steady state: compiled while loading
+  # The answer's block is the one marked.
+  assert re.findall(r"^ \* ?(\d+)\. ", got.stdout, flags=re.M) == [str(expected["block_rank"] + 1)]
+
+
+def test_ask_json_is_the_prediction(workdir, system):
+  got = run_ask(f"--workdir={workdir}", f"--question={QUESTION}", "--json", "--top_k=1")
+  assert got.returncode == 0, got.stderr
+  lines = got.stdout.splitlines()
+  assert len(lines) == 1
+  pred = json.loads(lines[0])
+  titles, logits = read_titles(system, QUESTION)
+  assert [e["title"] for e in pred["evidence"]] == titles[:1]
+  np.testing.assert_allclose(pred["evidence"][0]["retrieval_score"], logits[0], rtol=1e-4)
+  expected = system.answer([QUESTION])[0]
+  assert pred["answer"] == expected["answer"] and pred["block_id"] == expected["block_id"]
+  np.testing.assert_allclose(pred["score"], expected["score"], rtol=1e-4)
+  assert 0 < pred["seconds"] < 1.0
+  if pred["answer"]:  # the answer is cut from its block's own text
+    row = int(system.corpus.rows_of(np.array([pred["block_id"]]))[0])
+    block = system.corpus[row]
+    assert pred["answer"] in block["title"] + " " + block["body"]
+
+
+@pytest.mark.parametrize("case", ["empty_question", "long_question", "no_config", "no_index",
+                                  "no_model", "no_question", "bad_top_k"])
+def test_user_mistakes_end_in_one_error_line(workdir, tmp_path, case):
+  question = {"empty_question": "  ", "long_question": "x" * 10_000}.get(case, QUESTION)
+  where = workdir
+  if case in ("no_config", "no_index", "no_model"):
+    where = str(tmp_path / "w")
+    if case == "no_model":  # everything but the fine-tuned model
+      shutil.copytree(workdir, where, ignore=shutil.ignore_patterns(finetune.BEST, "checkpoints"))
+    else:
+      os.makedirs(where)
+      if case == "no_index":
+        shutil.copy(os.path.join(workdir, "config.json"), where)
+  args = [f"--workdir={where}"] + ([] if case == "no_question" else [f"--question={question}"])
+  args += ["--top_k=0"] if case == "bad_top_k" else []
+  got = run_ask(*args)
+  assert got.returncode == 2, (got.stdout, got.stderr)
+  assert got.stderr.startswith("error: ") and "Traceback" not in got.stderr, got.stderr
+  assert len(got.stderr.strip().splitlines()) == 1 and got.stdout == ""
+  message = {"empty_question": "empty", "long_question": "10,000 characters",
+             "no_config": "config.json does not exist", "no_index": "No index",
+             "no_model": "no fine-tuned model", "no_question": "--interactive",
+             "bad_top_k": "--top_k=0"}[case]
+  assert message in got.stderr
+
+
+def test_interactive_loop_answers_and_goes_on_after_an_error(system):
+  out, err = io.StringIO(), io.StringIO()
+  lines = io.StringIO(f"{QUESTION}\n\n  what is the capital of france \nquit\nnever asked\n")
+  assert ask.ask_loop(system, lines, out, err) == 2
+  asked = re.findall(r"^(?:question> )*Q: (.*)$", out.getvalue(), flags=re.M)
+  assert asked == [QUESTION, "what is the capital of france"]
+  assert out.getvalue().count(ask.PROMPT) == 4  # stopped at "quit"
+  assert re.fullmatch(r"error: The question is empty[^\n]*\n", err.getvalue())
+  # As JSON lines: stdout holds only predictions; EOF ends the loop.
+  out, err = io.StringIO(), io.StringIO()
+  assert ask.ask_loop(system, io.StringIO(QUESTION), out, err, as_json=True, top_k=1) == 1
+  pred = json.loads(out.getvalue())
+  assert pred["question"] == QUESTION and len(pred["evidence"]) == 1
+
+
+def test_notebook_fine_tunes_answers_and_plots(workdir, system, tmp_path, monkeypatch):
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+  assert len(params) == 1
+  # A copy of the finished run: the notebook's fine-tuning resumes it (nothing left to do).
+  copy = str(tmp_path / "qa")
+  shutil.copytree(workdir, copy)
+  params[0].source = "\n".join([
+      'variant = "tiny"', f"workdir = {copy!r}", f"questions_dir = {NQ!r}", "num_steps = 2",
+      "retriever_steps = None", f"questions = [{QUESTION!r}]",
+      'plot_question = "who painted the mona lisa"', "plot_top_k = 5", "num_eval = 8"])
+  monkeypatch.delenv("XLA_FLAGS", raising=False)  # the kernel runs on one device, like Colab's
+  nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                          resources={"metadata": {"path": str(tmp_path)}}).execute()
+  text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                 for o in c.outputs if o.output_type == "stream")
+  shown = re.search(rf"^Q: {re.escape(QUESTION)}\nA: .+\(score .*\nEvidence:\n((?:.*\n)+?)\n", text,
+                    flags=re.M)
+  assert shown, text
+  titles = re.findall(r"^ [ *] ?\d+\. (.+?)    \(retrieval", shown.group(1), flags=re.M)
+  assert titles == read_titles(system, QUESTION)[0]
+  assert re.search(r"^8 held-out questions: EM [\d.]+%, recall@1 [\d.]+%", text, flags=re.M), text
+  images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+            if "image/png" in o.get("data", {})]
+  assert len(images) == 1
