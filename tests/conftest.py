@@ -55,3 +55,29 @@ def random_inputs(rng, batch_shape, seq_len, vocab, min_len=3):
   ids = ids * mask
   types = ((np.arange(seq_len) >= (lengths[..., None] // 2)) & (mask == 1)).astype(np.int64)
   return ids, mask, types
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NQ_OPEN = os.path.join(os.path.dirname(ROOT), "shared", "data", "nq_open")
+
+
+def one_device_env():
+  """The environment of a user's run: one CPU device, not the fake ones of the tests."""
+  return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+@pytest.fixture(scope="session")
+def tiny_qa_workdir(tmp_path_factory):
+  """One tiny open-QA fine-tuning run, shared by test_finetune and test_ask: 40 articles,
+  2 retriever-only steps then 2 joint steps, dev evaluation every 2 steps. Run as a user runs it
+  (experiments/finetune.py, one device: on the 8 fake devices of 2 cores it takes ~20 s more)."""
+  import subprocess
+  import sys
+  workdir = str(tmp_path_factory.mktemp("qa_tiny"))
+  got = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments", "finetune.py"),
+       f"--config={ROOT}/realm_jax/configs/finetune.py:tiny", f"--workdir={workdir}",
+       f"--config.data.local_dir={NQ_OPEN}", "--config.retriever_steps=2"],
+      env=one_device_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert got.returncode == 0, got.stderr[-5000:]
+  return workdir

@@ -13,33 +13,20 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import NQ_OPEN as NQ
+from conftest import one_device_env
 
 from realm_jax.eval import ask
 from realm_jax.train import finetune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NQ = os.path.join(os.path.dirname(ROOT), "shared", "data", "nq_open")
 NOTEBOOK = os.path.join(ROOT, "experiments", "colab", "realm_jax_demo.ipynb")
 QUESTION = "who wrote the origin of species"
 
 
-def one_device_env():
-  """The environment of a user's run: one CPU device, not conftest's fake ones."""
-  return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-
-
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-  """A tiny fine-tuning run (2 steps, the last model kept as the best). In a process of its own:
-  on conftest's 8 fake devices of 2 cores the same run takes ~20 s more."""
-  workdir = str(tmp_path_factory.mktemp("qa"))
-  got = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "experiments", "finetune.py"),
-       f"--config={ROOT}/realm_jax/configs/finetune.py:tiny", f"--workdir={workdir}",
-       f"--config.data.local_dir={NQ}", "--config.num_steps=2", "--config.eval_every=0"],
-      env=one_device_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert got.returncode == 0, got.stderr[-5000:]
-  return workdir
+def workdir(tiny_qa_workdir):
+  return tiny_qa_workdir
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from conftest import NQ_OPEN
 from test_qa_step import MODELS, make_batch, make_params
 
 from realm_jax.configs.finetune import get_config
@@ -20,8 +21,7 @@ from realm_jax.retrieval.bm25 import BM25Index
 from realm_jax.train import finetune
 from realm_jax.train.qa_step import TrainState, qa_train_step
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NQ = os.path.join(os.path.dirname(ROOT), "shared", "data", "nq_open")
+NQ = NQ_OPEN
 
 
 def tiny_config(**overrides):
@@ -34,14 +34,15 @@ def tiny_config(**overrides):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp("qa"))
-  best = finetune.finetune(tiny_config(), workdir)
-  return workdir, best
+def run(tiny_qa_workdir):
+  """The shared tiny run (conftest): 2 retriever-only + 2 joint steps, dev every 2 steps."""
+  setup = finetune.QaSetup(finetune.load_workdir_config(tiny_qa_workdir), tiny_qa_workdir,
+                           build_missing=False)
+  return tiny_qa_workdir, setup
 
 
 def test_loop_logs_selects_and_checkpoints(run):
-  workdir, best = run
+  workdir, setup = run
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   train = [r for r in rows if r["split"] == "train"]
   dev = [r for r in rows if r["split"] == "dev"]
@@ -53,17 +54,20 @@ def test_loop_logs_selects_and_checkpoints(run):
   # The kept model is the dev-best one (EM, then recall@5) of the evaluations that were logged.
   keys = [(r.get("em", 0.0), r["recall_5"], -r["step"]) for r in dev]
   top = max(keys)
-  assert best["step"] == -top[2] and (best["dev_em"], best["dev_recall"]) == top[:2]
-  setup = finetune.QaSetup(finetune.load_workdir_config(workdir), workdir, build_missing=False)
   params, meta = setup.best_params()
-  assert meta["step"] == best["step"]
+  assert meta["step"] == -top[2] and (meta.get("em", 0.0), meta["recall_5"]) == top[:2]
   chex.assert_trees_all_equal_shapes(params, setup.init_params)
+  # The run kept its position in the questions and its best result for resuming.
+  latest = json.loads(open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")).read())
+  assert latest["best"]["step"] == meta["step"] and latest["position"]["cursor"] > 0
 
 
 def test_rerun_resumes_and_has_nothing_left_to_do(run):
-  workdir, best = run
+  workdir, setup = run
+  _, meta = setup.best_params()
   trainer = finetune.QaTrainer(tiny_config(), workdir)
-  assert trainer.run() == best
+  best = trainer.run()
+  assert best["step"] == meta["step"] and best["dev_recall"] == meta["recall_5"]
   assert int(trainer.state.step) == 4 and trainer.position["cursor"] > 0
 
 
@@ -104,9 +108,8 @@ def test_reader_waits_for_the_retriever_steps():
 
 
 def test_evaluate_systems_against_independent_computation(run, tmp_path):
-  workdir, _ = run
-  config = finetune.load_workdir_config(workdir)
-  setup = finetune.QaSetup(config, workdir, build_missing=False)
+  workdir, setup = run
+  config = setup.config
   questions = finetune.split_questions(config)["test"][:12]
   ks = (1, 2, 5)
   results = report.evaluate_systems(setup, questions, ks=ks, out_dir=str(tmp_path),
