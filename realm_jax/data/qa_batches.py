@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Sequence
 
 import numpy as np
 
-from realm_jax.eval.answers import has_answer, normalize_answer, regex_match
+from realm_jax.eval.answers import compile_pattern, has_answer, normalize_answer, regex_match
 from realm_jax.text import BertTokenizer
 
 ANSWER_TYPES = ("text", "regex")
@@ -106,13 +105,7 @@ def char_spans_to_pieces(offsets: Sequence[tuple[int, int]], spans: Sequence[tup
 
 
 def regex_char_spans(text: str, patterns: Sequence[str]) -> list[tuple[int, int]]:
-  spans = []
-  for p in patterns:
-    try:
-      spans += [(m.start(), m.end()) for m in re.finditer(p, text, flags=re.IGNORECASE)]
-    except re.error as e:
-      raise ValueError(f"Answer pattern {p!r} is not a valid regular expression ({e}).") from None
-  return spans
+  return [(m.start(), m.end()) for p in patterns for m in compile_pattern(p).finditer(text)]
 
 
 @dataclasses.dataclass(frozen=True)

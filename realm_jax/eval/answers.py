@@ -7,6 +7,7 @@ CuratedTREC answers are regular expressions: they are matched, not compared.
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 import unicodedata
@@ -39,12 +40,20 @@ def exact_match(prediction: str, answers: Iterable[str]) -> bool:
   return any(p == normalize_answer(a) for a in answers)
 
 
+@functools.lru_cache(maxsize=4096)
+def compile_pattern(pattern: str) -> re.Pattern:
+  """A CuratedTREC answer pattern, compiled case-insensitively; ValueError naming a bad one."""
+  try:
+    return re.compile(pattern, flags=re.IGNORECASE | re.UNICODE)
+  except re.error as e:
+    raise ValueError(f"Answer pattern {pattern!r} is not a valid regular expression ({e}).") from None
+
+
 def regex_match(text: str, patterns: Iterable[str]) -> bool:
   """CuratedTREC: whether any answer pattern matches somewhere in `text` (case-insensitive)."""
-  for pattern in patterns:
-    try:
-      if re.search(pattern, text, flags=re.IGNORECASE | re.UNICODE):
-        return True
-    except re.error as e:
-      raise ValueError(f"Answer pattern {pattern!r} is not a valid regular expression ({e}).") from None
-  return False
+  return any(compile_pattern(p).search(text) for p in patterns)
+
+
+def regex_exact_match(prediction: str, patterns: Iterable[str]) -> bool:
+  """CuratedTREC EM: a pattern matches the prediction from its start (DrQA's convention)."""
+  return any(compile_pattern(p).match(prediction) for p in patterns)

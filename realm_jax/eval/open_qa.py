@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import time
 from collections.abc import Sequence
 
@@ -25,22 +24,11 @@ import jax
 import numpy as np
 
 from realm_jax.data.qa_batches import QaBatcher, ReaderLayout, answers_of
-from realm_jax.eval.answers import exact_match
+from realm_jax.eval.answers import exact_match, regex_exact_match
 from realm_jax.eval.retrieval import recall_at_k
 from realm_jax.train.qa_step import QaModels, qa_predict_step
 
 CONTEXT_CHARS = 120
-
-
-def regex_exact_match(prediction: str, patterns: Sequence[str]) -> bool:
-  """CuratedTREC EM: a pattern matches the prediction from its start (DrQA's convention)."""
-  for p in patterns:
-    try:
-      if re.match(p, prediction, flags=re.IGNORECASE | re.UNICODE):
-        return True
-    except re.error as e:
-      raise ValueError(f"Answer pattern {p!r} is not a valid regular expression ({e}).") from None
-  return False
 
 
 def is_correct(prediction: str, question: dict) -> bool:
