@@ -3,6 +3,8 @@
   python experiments/evaluate.py --flagfile=experiments/flags/finetune_wiki_vital.flags
   python experiments/evaluate.py --flagfile=... --split=dev --systems=finetuned --limit=200
   python experiments/evaluate.py --flagfile=... --recall_only=dense_untuned   # not read: faster
+  python experiments/evaluate.py --workdir=W --dataset=curated_trec:test --dataset_dir=DIR
+      # another dataset's questions (CuratedTREC answers are regexes: matched, not compared)
 
 Reads the best checkpoint of --workdir (experiments/finetune.py), answers the --split part of the
 config's questions with each system (realm_jax/eval/report.py: fine-tuned, untuned dense retriever +
@@ -16,6 +18,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from realm_jax.data.qa import load_questions
 from realm_jax.eval import report
 from realm_jax.train import finetune
 from realm_jax.train.pretrain import quiet_library_logs
@@ -26,6 +29,8 @@ _SPLIT = flags.DEFINE_enum("split", "test", ["train", "dev", "test"], "Which par
 _SYSTEMS = flags.DEFINE_list("systems", list(report.SYSTEMS), "Systems to evaluate.")
 _RECALL_ONLY = flags.DEFINE_list("recall_only", [], "Systems evaluated for retrieval only (not read): faster.")
 _LIMIT = flags.DEFINE_integer("limit", 0, "Only the first N questions (0 = all).")
+_DATASET = flags.DEFINE_string("dataset", "", "Instead of the config's split: all questions of NAME:SPLIT, e.g. curated_trec:test, web_questions:test, nq_open:dev.")
+_DATASET_DIR = flags.DEFINE_string("dataset_dir", "", "Local folder holding --dataset's file (\"\" = download with TFDS).")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -37,18 +42,28 @@ def main(argv):
   try:
     config = _CONFIG.value or finetune.load_workdir_config(workdir)
     setup = finetune.QaSetup(config, workdir, build_missing=False)
-    questions = finetune.split_questions(config)[_SPLIT.value][:_LIMIT.value or None]
-    if not questions:
-      raise ValueError(f"The {_SPLIT.value} part of config.data is empty (test_percent="
-                       f"{config.data.test_percent}): evaluate --split=dev, or change the config.")
-    out_dir = os.path.join(workdir, "eval", _SPLIT.value)
+    if _DATASET.value:
+      name, _, split = _DATASET.value.partition(":")
+      if not split:
+        raise ValueError(f"--dataset={_DATASET.value!r}: use NAME:SPLIT, e.g. curated_trec:test.")
+      questions = load_questions(name, split, local_dir=_DATASET_DIR.value or None)
+      part = f"{name}-{split}"
+    else:
+      questions = finetune.split_questions(config)[_SPLIT.value]
+      part = _SPLIT.value
+      if not questions:
+        raise ValueError(f"The {part} part of config.data is empty (test_percent="
+                         f"{config.data.test_percent}): evaluate --split=dev, or change the "
+                         "config.")
+    questions = questions[:_LIMIT.value or None]
+    out_dir = os.path.join(workdir, "eval", part)
     ks = tuple(config.ks)
     results = report.evaluate_systems(setup, questions, _SYSTEMS.value, ks, out_dir,
                                       recall_only=_RECALL_ONLY.value)
   except (FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  print(f"{_SPLIT.value}: {len(questions)} questions; predictions and results.json in {out_dir}")
+  print(f"{part}: {len(questions)} questions; predictions and results.json in {out_dir}")
   print(report.format_table(results, ks))
 
 

@@ -151,3 +151,23 @@ def test_evaluate_systems_against_independent_computation(run, tmp_path):
   saved = json.loads(open(tmp_path / "results.json").read())
   assert saved["bm25"]["em"] == pytest.approx(results["bm25"]["em"])
   assert "| finetuned |" in report.format_table(results, ks)
+
+
+def test_curated_trec_style_questions_are_matched_not_compared(run, tmp_path):
+  """Regex answers: recall counts a block whose text a pattern matches anywhere; EM asks the
+  pattern to match the predicted answer from its start (DrQA), checked on the written predictions."""
+  import re
+  workdir, setup = run
+  titles = [setup.corpus[r]["title"] for r in range(4)]
+  questions = [{"question": f"what is {t}", "answers": [re.escape(t.split()[0]) + r"\w*"],
+                "answer_type": "regex"} for t in titles]
+  results = report.evaluate_systems(setup, questions, systems=("finetuned",), ks=(1, 5),
+                                    out_dir=str(tmp_path), progress=False)
+  preds = [json.loads(line) for line in open(tmp_path / "predictions-finetuned.jsonl")]
+  em = 100.0 * np.mean([re.match(q["answers"][0], p["answer"], re.I) is not None
+                        for p, q in zip(preds, questions)])
+  assert results["finetuned"]["em"] == pytest.approx(em)
+  hits = [[re.search(q["answers"][0], setup.batcher.block(int(setup.corpus.rows_of(b)))["text"],
+                     re.I) is not None for b in p["retrieved"][:5]] for p, q in zip(preds, questions)]
+  assert results["finetuned"]["recall"][5] == pytest.approx(100.0 * np.mean([any(h) for h in hits]))
+  assert results["finetuned"]["recall"][5] > 0  # "what is <title>" finds its own article
