@@ -83,9 +83,14 @@ def test_ask_json_is_the_prediction(workdir, system):
     assert pred["answer"] in block["title"] + " " + block["body"]
 
 
-@pytest.mark.parametrize("case", ["empty_question", "long_question", "no_config", "no_index",
-                                  "no_model", "no_question", "bad_top_k"])
-def test_user_mistakes_end_in_one_error_line(workdir, tmp_path, case):
+CASES = {"empty_question": "empty", "long_question": "10,000 characters",
+         "no_config": "config.json does not exist", "no_index": "No index",
+         "no_model": "no fine-tuned model", "no_question": "--interactive",
+         "bad_top_k": "--top_k=0"}
+
+
+def mistake(case, workdir, tmp_path):
+  """(ask.py arguments, expected message) of a user mistake."""
   question = {"empty_question": "  ", "long_question": "x" * 10_000}.get(case, QUESTION)
   where = workdir
   if case in ("no_config", "no_index", "no_model"):
@@ -96,16 +101,29 @@ def test_user_mistakes_end_in_one_error_line(workdir, tmp_path, case):
       os.makedirs(where)
       if case == "no_index":
         shutil.copy(os.path.join(workdir, "config.json"), where)
-  args = [f"--workdir={where}"] + ([] if case == "no_question" else [f"--question={question}"])
-  args += ["--top_k=0"] if case == "bad_top_k" else []
+  kwargs = dict(workdir=where, question=None if case == "no_question" else question,
+                top_k=0 if case == "bad_top_k" else None)
+  return kwargs, CASES[case]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_user_mistakes_are_clear_errors(workdir, tmp_path, case):
+  """Each mistake is a ValueError / FileNotFoundError naming what to fix, raised before any
+  model is loaded (the ask command turns these into one `error:` line, below)."""
+  kwargs, message = mistake(case, workdir, tmp_path)
+  with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
+    ask.run(**kwargs)
+
+
+@pytest.mark.parametrize("case", ["long_question", "no_index"])
+def test_user_mistakes_end_in_one_error_line(workdir, tmp_path, case):
+  """experiments/ask.py as a user runs it: one `error:` line on stderr, status 2, no traceback."""
+  kwargs, message = mistake(case, workdir, tmp_path)
+  args = [f"--workdir={kwargs['workdir']}", f"--question={kwargs['question']}"]
   got = run_ask(*args)
   assert got.returncode == 2, (got.stdout, got.stderr)
   assert got.stderr.startswith("error: ") and "Traceback" not in got.stderr, got.stderr
   assert len(got.stderr.strip().splitlines()) == 1 and got.stdout == ""
-  message = {"empty_question": "empty", "long_question": "10,000 characters",
-             "no_config": "config.json does not exist", "no_index": "No index",
-             "no_model": "no fine-tuned model", "no_question": "--interactive",
-             "bad_top_k": "--top_k=0"}[case]
   assert message in got.stderr
 
 

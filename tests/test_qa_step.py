@@ -171,9 +171,10 @@ def test_prediction_only_picks_whole_word_spans():
   allowed = int(np.flatnonzero((starts == 6) & (ends == 7))[0])
   real = read["beam_mask"] > 0
   assert (got["block_best"][real] == allowed).all()
-  out = MODELS.reader.apply({"params": params["reader"]}, batch["reader"]["input_ids"],
-                            batch["reader"]["attention_mask"], batch["reader"]["token_type_ids"],
-                            batch["block_mask"], got["retriever_logits"])
+  out = jax.jit(lambda p, x, logits: MODELS.reader.apply(
+      {"params": p}, x["reader"]["input_ids"], x["reader"]["attention_mask"],
+      x["reader"]["token_type_ids"], x["block_mask"], logits))(params["reader"], batch,
+                                                               got["retriever_logits"])
   np.testing.assert_allclose(got["block_score"][real], np.asarray(out["span_logits"])[..., allowed][real],
                              rtol=1e-6)
   logits, valid = whole_word_spans(out, batch)
