@@ -273,24 +273,21 @@ class QaBatcher:
     """
     beam_rows = np.asarray(beam_rows)
     b, z = beam_rows.shape
-    if reader_blocks == 0:  # retriever-only batch
-      mask = (beam_rows >= 0).astype(np.int32)
-      has = np.zeros((b, z), np.int32)
-      for i, q in enumerate(questions):
-        answers, kind = answers_of(q)
-        for j in range(z):
-          if mask[i, j]:
-            has[i, j] = self.has_answer(beam_rows[i, j], answers, kind)
-      return {"question": self.questions([q["question"] for q in questions]),
-              "beam_embeddings": (embeddings[np.maximum(beam_rows, 0)] * mask[..., None]
-                                  ).astype(np.float32),
-              "beam_mask": mask, "beam_has_answer": has}
     if reader_blocks > z:
       raise ValueError(f"reader_blocks={reader_blocks} is more than the beam of {z}.")
     q_ids = [self.question_ids(q["question"]) for q in questions]
-    question = self._questions(q_ids)
     beam_mask = (beam_rows >= 0).astype(np.int32)
     has = np.zeros((b, z), np.int32)
+    for i, q in enumerate(questions):
+      answers, kind = answers_of(q)
+      for j in np.flatnonzero(beam_mask[i]):
+        has[i, j] = self.has_answer(beam_rows[i, j], answers, kind)
+    out = {"question": self._questions(q_ids),
+           "beam_embeddings": (embeddings[np.maximum(beam_rows, 0)] * beam_mask[..., None]
+                               ).astype(np.float32),
+           "beam_mask": beam_mask, "beam_has_answer": has}
+    if reader_blocks == 0:  # retriever-only batch
+      return out
     read = beam_rows[:, :reader_blocks]
     reader, layouts = self.reader_inputs(q_ids, read)
     a = self.max_answer_spans
@@ -298,9 +295,6 @@ class QaBatcher:
     gold_ends = np.full((b, reader_blocks, a), -1, np.int32)
     for i, q in enumerate(questions):
       answers, kind = answers_of(q)
-      for j in range(z):
-        if beam_rows[i, j] >= 0:
-          has[i, j] = self.has_answer(beam_rows[i, j], answers, kind)
       pieces = answer_pieces(self.tokenizer, answers) if kind == "text" else None
       for j in range(reader_blocks):
         if layouts[i][j] is None or not has[i, j]:
@@ -308,11 +302,8 @@ class QaBatcher:
         spans = self.gold_spans(read[i, j], layouts[i][j], answers, kind, pieces)
         for k, (s, e) in enumerate(spans):
           gold_starts[i, j, k], gold_ends[i, j, k] = s, e
-    emb = embeddings[np.maximum(beam_rows, 0)] * beam_mask[..., None]
-    extra = {k: reader.pop(k) for k in ("block_mask", "word_start", "word_end")}
-    return {"question": question, "beam_embeddings": emb.astype(np.float32),
-            "beam_mask": beam_mask, "beam_has_answer": has, "reader": reader, **extra,
-            "gold_starts": gold_starts, "gold_ends": gold_ends}
+    masks = {k: reader.pop(k) for k in ("block_mask", "word_start", "word_end")}
+    return {**out, "reader": reader, **masks, "gold_starts": gold_starts, "gold_ends": gold_ends}
 
   def _questions(self, q_ids: Sequence[Sequence[int]]) -> dict:
     """`[CLS] q [SEP]` arrays [B, Lq], padded to the longest rounded up to question_multiple."""

@@ -57,7 +57,7 @@ class OpenQa:
     self.params = params
     self.reader_blocks, self.batch_size = reader_blocks, batch_size
     self._embed, self._predict = _compiled(models)
-    self._index_rows = self.corpus.rows_of(index.block_ids)
+    self._offset_cache: dict[int, tuple] = {}
 
   # ------------------------------------------------------------------------------ retrieve
   def embed(self, texts: Sequence[str]) -> np.ndarray:
@@ -119,7 +119,7 @@ class OpenQa:
   def _span_text(self, row: int, lay: ReaderLayout, start: int, end: int):
     """(text, "title" | "body", (char start, char end)) of reader positions [start, end]."""
     blk = self.batcher.block(row)
-    title_off, body_off = _offsets(self.batcher, row)
+    title_off, body_off = self._offsets(row)
     parts = []
     for field, offsets, first, count in (("title", title_off, lay.title_start, lay.n_title),
                                          ("body", body_off, lay.body_start, lay.n_body)):
@@ -132,6 +132,20 @@ class OpenQa:
     text = " ".join(blk[f][a:b] for f, a, b in parts)
     field, a, b = parts[-1] if len(parts) == 1 else parts[0]
     return text, field, (int(a), int(b))
+
+  def _offsets(self, row: int):
+    """Character offsets of the title's and the body's word pieces (cached per block)."""
+    if row not in self._offset_cache:
+      blk = self.batcher.block(row)
+      (t_ids, t_off), (b_ids, b_off) = self.batcher.tokenizer.encode_batch_with_offsets(
+          [blk["title"], blk["body"]])
+      if list(t_ids) != blk["title_ids"] or list(b_ids) != blk["body_ids"]:
+        logging.warning("Block row %d: re-tokenised text differs from the stored word pieces; "
+                        "answer text may be cut imprecisely.", row)
+      if len(self._offset_cache) > 65_536:
+        self._offset_cache.clear()
+      self._offset_cache[row] = (t_off, b_off)
+    return self._offset_cache[row]
 
   def answer(self, texts: Sequence[str]) -> list[dict]:
     """Retrieve, then read: the best answer of each question with its evidence."""
@@ -151,21 +165,6 @@ def _compiled(models: QaModels):
 def _span_table(length: int, max_width: int):
   from realm_jax.models.reader import span_candidates
   return span_candidates(length, max_width)
-
-
-def _offsets(batcher: QaBatcher, row: int):
-  cache = batcher.__dict__.setdefault("_offsets_cache", {})
-  if row not in cache:
-    blk = batcher.block(row)
-    (t_ids, t_off), (b_ids, b_off) = batcher.tokenizer.encode_batch_with_offsets(
-        [blk["title"], blk["body"]])
-    if list(t_ids) != blk["title_ids"] or list(b_ids) != blk["body_ids"]:
-      logging.warning("Block row %d: re-tokenised text differs from the stored word pieces; "
-                      "answer text may be cut imprecisely.", row)
-    if len(cache) > 65_536:
-      cache.clear()
-    cache[row] = (t_off, b_off)
-  return cache[row]
 
 
 def _context(text: str, a: int, b: int) -> str:

@@ -256,13 +256,19 @@ class QaTrainer:
                                                        asynchronous=False, data=False)
     self.position = {"epoch": 0, "cursor": 0}
     self.best = {"dev_em": -1.0, "dev_recall": -1.0, "step": -1}
-    self.seen = self.kept = 0
+    self.seen = 0                     # training questions examined (kept or passed over)
+    self._epoch_order = (-1, None)
     self.metrics = MetricsWriter(workdir)
     self.bad_steps = 0
 
   # --------------------------------------------------------------------------------- data
   def _order(self, epoch: int) -> np.ndarray:
-    return np.random.default_rng([self.config.seed, epoch]).permutation(len(self.splits["train"]))
+    """The training questions' order in `epoch` (computed once per epoch)."""
+    if self._epoch_order[0] != epoch:
+      order = np.random.default_rng([self.config.seed, epoch]).permutation(
+          len(self.splits["train"]))
+      self._epoch_order = (epoch, order)
+    return self._epoch_order[1]
 
   def _beams(self, questions: list[dict]) -> np.ndarray:
     """[n, Z] corpus rows of the beams of n <= B questions (padded to B: one compiled program)."""
@@ -327,14 +333,14 @@ class QaTrainer:
   def save(self, step: int, force: bool = False):
     checkpoints.save(self.manager, step, self.state,
                      {"step": step, "position": self.position, "best": self.best,
-                      "seen": self.seen, "kept": self.kept}, force=force)
+                      "seen": self.seen}, force=force)
 
   def restore(self) -> None:
     got = checkpoints.restore_latest(self.manager, self.state)
     if got is not None:
       self.state, meta = got
       self.position, self.best = meta["position"], meta["best"]
-      self.seen, self.kept = meta.get("seen", 0), meta.get("kept", 0)
+      self.seen = meta.get("seen", 0)
 
   def maybe_keep_best(self, step: int, dev: dict) -> bool:
     key = (dev.get("em", 0.0), dev.get("recall_5", 0.0))
@@ -375,7 +381,6 @@ class QaTrainer:
       window_q += c.batch_size
       window_seen += examined
       self.seen += examined
-      self.kept += c.batch_size
       done = step + 1
       bar.update(1)
       if done % c.log_every == 0 or done == c.num_steps:
