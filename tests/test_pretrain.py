@@ -94,6 +94,15 @@ def test_killed_run_resumes_to_bit_identical_parameters(tmp_path, data_dir, unin
     np.testing.assert_array_equal(a, b, err_msg=f"{path} (killed after step {kill_after})")
 
 
+def test_every_logged_row_has_the_retrieval_diagnostics(uninterrupted):
+  with open(os.path.join(uninterrupted, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  assert {r["split"] for r in rows} == {"train", "heldout"}
+  for r in rows:  # fractions of examples whose masked span a retrieved block contains
+    assert 0.0 <= r["span_in_candidates"] <= 1.0, r
+    assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["null_accuracy"] <= 1.0, r
+
+
 def test_finished_run_does_nothing_and_other_config_is_refused(data_dir, uninterrupted):
   code, out = run(uninterrupted, data_dir)
   assert code == 0 and "Nothing to do" in out

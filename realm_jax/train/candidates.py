@@ -28,6 +28,20 @@ def _pad(rows: list[list[int]], length: int, types: list[list[int]] | None = Non
   return out
 
 
+def masked_span(queries: dict, i: int) -> list[int]:
+  """The target word pieces of example i's masked span, in order."""
+  w = queries["mlm_weights"][i] > 0
+  order = np.argsort(queries["mlm_positions"][i][w], kind="stable")
+  return queries["mlm_targets"][i][w][order].tolist()
+
+
+def contains(seq: list[int], part: list[int]) -> bool:
+  """Whether `part` occurs contiguously in `seq`."""
+  n = len(part)
+  first = part[0]
+  return any(seq[j] == first and seq[j:j + n] == part for j in range(len(seq) - n + 1))
+
+
 class CandidateBuilder:
   """Turns a batch of masked queries into a full REALM batch (see `realm_step`).
 
@@ -67,12 +81,16 @@ class CandidateBuilder:
 
   def build(self, queries: dict[str, np.ndarray], rows: np.ndarray) -> dict:
     """queries: the pipeline's batch ([B, Lq] query arrays, mlm_*); rows [B, K-1] corpus rows of the
-    retrieved blocks (-1 = none). Returns the step's batch (numpy)."""
+    retrieved blocks (-1 = none). Returns the step's batch (numpy), with `span_found` [B]: 1 where
+    the masked span's word pieces occur in the body a retrieved candidate shows the encoder (the
+    evidence is there to copy; REALM's "the retriever found it" diagnostic)."""
     b, k = len(queries["input_ids"]), self.k
     q_len = queries["attention_mask"].sum(-1)
     docs, doc_types, joint, joint_types = [], [], [], []
     mask = np.zeros((b, k), np.float32)
+    found = np.zeros((b,), np.float32)
     for i in range(b):
+      span = masked_span(queries, i)
       x = queries["input_ids"][i, :q_len[i]].tolist()                 # [CLS] x [SEP]
       if len(x) + 1 > self.joint_length:
         raise ValueError(f"A query of {len(x)} word pieces does not fit joint_length="
@@ -85,6 +103,8 @@ class CandidateBuilder:
         docs.append(ids)
         doc_types.append(types)
         body = body[:self.joint_length - len(x) - 1]
+        if c > 0 and not found[i] and span and contains(body, span):
+          found[i] = 1.0
         joint.append(x + body + [self.sep])
         joint_types.append([0] * len(x) + [1] * (len(body) + 1))
     reshape = lambda d, length: {n: v.reshape(b, k, length) for n, v in d.items()}
@@ -93,6 +113,7 @@ class CandidateBuilder:
         "candidates": reshape(_pad(docs, self.doc_length, doc_types), self.doc_length),
         "joint": reshape(_pad(joint, self.joint_length, joint_types), self.joint_length),
         "candidate_mask": mask,
+        "span_found": found,
         "mlm_positions": queries["mlm_positions"].astype(np.int32),
         "mlm_targets": queries["mlm_targets"].astype(np.int32),
         "mlm_weights": queries["mlm_weights"].astype(np.float32),

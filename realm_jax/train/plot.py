@@ -8,7 +8,8 @@ from realm_jax.io_utils import as_path, atomic_write, iter_jsonl
 
 PANELS = (("loss", "marginal MLM loss"), ("accuracy", "masked-token accuracy"),
           ("retrieval_utility", "retrieval utility (nats/token)"),
-          ("retrieval_entropy", "entropy of p(z|x)"))
+          ("retrieval_entropy", "entropy of p(z|x)"),
+          ("span_in_candidates", "masked span in a retrieved block"))
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -29,8 +30,9 @@ def plot_metrics(workdir: str, out_png: str | None = None) -> str:
   rows = read_metrics(os.path.join(workdir, "metrics.jsonl"))
   # A resumed run appends: keep the last record of each (split, step).
   last = {(r["split"], r["step"]): r for r in rows}
-  fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
-  for ax, (key, title) in zip(axes, PANELS):
+  panels = [(k, t) for k, t in PANELS if any(k in r for r in last.values())]  # older runs: fewer
+  fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+  for ax, (key, title) in zip(axes, panels):
     for split, style in (("train", dict(lw=1, alpha=0.8)), ("heldout", dict(marker="o", lw=2))):
       pts = sorted((s, r[key]) for (sp, s), r in last.items() if sp == split and key in r)
       if pts:

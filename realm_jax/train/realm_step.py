@@ -87,7 +87,7 @@ def _statistics(mlm_logits, batch, weights, aux) -> dict[str, Array]:
   utility = aux["marginal_log_probs"] - aux["candidate_log_probs"][:, 0]      # [B, M]
   p = jnp.exp(retr_logp)
   entropy = -jnp.sum(jnp.where(p > 0, p * retr_logp, 0.0), axis=-1)           # [B]
-  return {
+  stats = {
       "tokens": jnp.sum(weights),
       "loss_sum": -jnp.sum(aux["marginal_log_probs"] * weights),
       "correct": jnp.sum(correct * weights),
@@ -97,6 +97,9 @@ def _statistics(mlm_logits, batch, weights, aux) -> dict[str, Array]:
       "null_prob_sum": jnp.sum(p[:, 0]),
       "examples": jnp.asarray(targets.shape[0], jnp.float32),
   }
+  if "span_found" in batch:  # laid out on the host by CandidateBuilder
+    stats["span_found"] = jnp.sum(batch["span_found"].astype(jnp.float32))
+  return stats
 
 
 def summarize(sums: dict) -> dict[str, float]:
@@ -110,6 +113,8 @@ def summarize(sums: dict) -> dict[str, float]:
       "retrieval_entropy": float(sums["entropy_sum"]) / examples,
       "null_doc_prob": float(sums["null_prob_sum"]) / examples,
   }
+  if "span_found" in sums:
+    out["span_in_candidates"] = float(sums["span_found"]) / examples
   for k in ("grad_norm", "learning_rate", "skipped"):
     if k in sums:
       out[k] = float(sums[k])
