@@ -62,7 +62,13 @@ def main():
   p.add_argument("--batch_size", type=int, default=128)
   p.add_argument("--jax_batch_size", type=int, default=None, help="default: --batch_size")
   p.add_argument("--threads", type=int, default=os.cpu_count())
+  p.add_argument("--keep_freed_memory", action="store_true",
+                 help="glibc keeps freed blocks for reuse (no mmap, no trim) for both "
+                      "implementations: realm_jax/host_memory.py")
   args = p.parse_args()
+  if args.keep_freed_memory:
+    from realm_jax.host_memory import keep_freed_memory
+    keep_freed_memory()
   from realm_jax.data.wiki_vital import load_articles
   articles = load_articles()[:args.max_docs]
   n = len(articles)
@@ -70,7 +76,8 @@ def main():
   torch_emb, torch_s = run_torch(articles, args.max_length, args.batch_size, args.threads)
   err = float(np.abs(jax_emb - torch_emb).max())
   print(f"\n{n} articles, max length {args.max_length}, batch {args.batch_size}, "
-        f"{os.cpu_count()} CPU cores")
+        f"{os.cpu_count()} CPU cores; host allocator: "
+        + ("glibc keeps freed blocks" if args.keep_freed_memory else "glibc defaults"))
   print("| implementation | seconds | docs/s |\n| --- | --- | --- |")
   print(f"| HF PyTorch BertModel (torch {__import__('torch').__version__}) | {torch_s:.1f} | {n / torch_s:.1f} |")
   print(f"| realm_jax (jax {__import__('jax').__version__}) | {jax_s:.1f} | {n / jax_s:.1f} |")

@@ -90,6 +90,9 @@ def parse_args():
   p.add_argument("--breakdown", action="store_true",
                  help="also time the forward (loss only) and forward + backward (no update)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--keep_freed_memory", action="store_true",
+                 help="glibc keeps freed blocks for reuse (no mmap, no trim) for both "
+                      "implementations: realm_jax/host_memory.py")
   args = p.parse_args()
   for name, value in PRESETS[args.preset].items():
     if getattr(args, name) is None:
@@ -323,6 +326,9 @@ def run_jax(args, params, hf_cfg, batch) -> dict:
 
 def main():
   args = parse_args()
+  if args.keep_freed_memory:
+    from realm_jax.host_memory import keep_freed_memory
+    keep_freed_memory()
   import jax
   import torch
   from realm_jax.checkpoints import from_hf_state_dict
@@ -355,6 +361,8 @@ def main():
   print(f"B={b} K={k} Lq={args.query_length} Ld={args.doc_length} Le={args.joint_length} "
         f"M<={args.num_masked} ({int(batch['mlm_weights'].sum())} masked tokens); "
         f"{padded:,} token positions per step ({real:,} not padding)")
+  print("host allocator: " + ("glibc keeps freed blocks (--keep_freed_memory)"
+                              if args.keep_freed_memory else "glibc defaults (mmap + trim)"))
   print(f"dropout {'off' if args.no_dropout else 'on'}; AdamW lr {args.lr:g} wd 0.01 eps 1e-6, "
         f"clip 1.0; realm_jax dtype {args.dtype}; {args.steps} timed steps each")
   print(f"model FLOPs per step {flops / 1e12:.3f} TFLOP (3 x forward); the HF all-positions MLM "

@@ -35,7 +35,7 @@ def bucket_batches(lengths: np.ndarray, buckets: list[int], batch_size: int,
 
   Each bucket gets one batch shape: `tokens_per_batch // length` rows (at most `batch_size`, at
   least `multiple`, rounded to a multiple of `multiple`), so short blocks go in wide batches and
-  long ones in narrow batches that stay in cache.
+  long ones in narrow batches.
   """
   bucket_of = np.searchsorted(np.asarray(buckets), lengths)  # smallest bucket >= length
   if bucket_of.max(initial=0) >= len(buckets):
@@ -68,7 +68,9 @@ def embed_in_buckets(embed_fn: Callable[[Batch], jax.Array], inputs: Batch, batc
     mesh: devices to shard the batch over (default: all local devices on one "data" axis).
     progress: a tqdm bar to advance (default: a new one for these rows).
     tokens_per_batch: rows x length per step per device (None: always `batch_size` rows). On CPU
-      ~1k tokens keeps activations in cache: on 2 cores, 1024 embedded MiniLM articles at 59 docs/s, 4096 at 46, fixed batches of 64 rows at 31.
+      ~1k tokens keeps every activation below glibc's mmap threshold, so no step page-faults its
+      buffers in afresh (see realm_jax/host_memory.py): on 2 cores MiniLM embedded articles at
+      59 docs/s with 1024, 46 with 4096, 31 with fixed batches of 64 rows.
   """
   n, max_len = inputs["input_ids"].shape
   if n == 0:
