@@ -2,9 +2,10 @@
 
 By default glibc serves every allocation above its mmap threshold (128 KiB, rising to at most
 32 MiB) with a fresh `mmap` and returns it to the kernel on `free`. A jitted step on the CPU
-allocates its large temporaries anew on every call, so every step page-faults them back in: on
-this project's 2-core machine that was 20% of realm_jax's forward pass at B x K = 64 sequences,
-and 40% of the HF PyTorch port's whole training step (benchmarks/README.md). With mmap off and
+allocates its large temporaries anew on every call, so every step page-faults them back in. On
+this project's 2-core machine that cost ~8% of realm_jax's forward pass over B x K = 64
+sequences (not measurable in its whole step), and ~40% of the HF PyTorch port's training step,
+whose eager ops allocate one activation at a time (benchmarks/README.md). With mmap off and
 no trimming, freed blocks stay in the heap and the next step reuses them; the price is that the
 process keeps its peak size (resident memory does not shrink after a large step).
 
