@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from realm_jax.data.qa_batches import find_subsequences
 from realm_jax.retrieval.index import DocIndex
 
 
@@ -33,13 +34,6 @@ def masked_span(queries: dict, i: int) -> list[int]:
   w = queries["mlm_weights"][i] > 0
   order = np.argsort(queries["mlm_positions"][i][w], kind="stable")
   return queries["mlm_targets"][i][w][order].tolist()
-
-
-def contains(seq: list[int], part: list[int]) -> bool:
-  """Whether `part` occurs contiguously in `seq`."""
-  n = len(part)
-  first = part[0]
-  return any(seq[j] == first and seq[j:j + n] == part for j in range(len(seq) - n + 1))
 
 
 class CandidateBuilder:
@@ -103,7 +97,7 @@ class CandidateBuilder:
         docs.append(ids)
         doc_types.append(types)
         body = body[:self.joint_length - len(x) - 1]
-        if c > 0 and not found[i] and span and contains(body, span):
+        if c > 0 and not found[i] and span and find_subsequences(body, [span]):
           found[i] = 1.0
         joint.append(x + body + [self.sep])
         joint_types.append([0] * len(x) + [1] * (len(body) + 1))
