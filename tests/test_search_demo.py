@@ -110,3 +110,31 @@ def test_scann_recall_on_real_corpus_embeddings(articles):
   approx = DocIndex(emb, ids, "scann").search(queries, 10)[1]
   recall = np.mean([len(set(a) & set(e)) / 10 for a, e in zip(approx, exact)])
   assert recall >= 0.95, recall
+
+
+def test_optimal_buckets_match_brute_force():
+  """The dynamic programme finds the cheapest bucket set that an exhaustive search finds."""
+  import itertools
+  from realm_jax.retrieval.embed import optimal_buckets
+
+  def cost(buckets, lengths, shape_cost, attention_cost):
+    chosen = np.asarray(buckets)[np.searchsorted(buckets, lengths)]
+    used = len(set(chosen.tolist()))
+    return float(np.sum(chosen * (1 + attention_cost * chosen))) + shape_cost * used
+
+  rng = np.random.default_rng(0)
+  cands = [8, 16, 24, 32, 40, 48, 56, 64]
+  for trial in range(6):
+    lengths = rng.integers(1, 65, size=int(rng.integers(1, 60)))
+    shape_cost = float(rng.choice([0.0, 30.0, 200.0, 5000.0]))
+    got = optimal_buckets(lengths, 64, step=8, shape_cost=shape_cost, attention_cost=1e-2)
+    assert got[-1] == 64 and set(got) <= set(cands)
+    best = min(cost(list(sub) + [64], lengths, shape_cost, 1e-2)
+               for r in range(len(cands)) for sub in itertools.combinations(cands[:-1], r))
+    assert cost(got, lengths, shape_cost, 1e-2) == pytest.approx(best), (trial, got)
+  # No compilation cost: every length that occurs gets its own bucket; a huge one: one bucket
+  # (the largest length, max_length always being a bucket, unused here).
+  assert optimal_buckets(np.array([3, 9, 9, 40]), 64, 8, shape_cost=0.0) == [8, 16, 40, 64]
+  assert optimal_buckets(np.array([3, 9, 9, 40]), 64, 8, shape_cost=1e9) == [40, 64]
+  with pytest.raises(ValueError, match="exceeds max_length=64"):
+    optimal_buckets(np.array([65]), 64)
