@@ -16,7 +16,8 @@ log-likelihood of the (at most M) masked tokens; then the backward pass, the glo
               `clip_grad_norm_`, `torch.optim.AdamW.step()`; train mode (dropout on) unless
               `--no_dropout`. Its MLM head projects every joint position onto the vocabulary.
   realm_jax   `jax.jit(partial(train_step, models=RealmModels(...)), donate_argnums=0)` on a
-              `TrainState` with `bert_adamw`; the MLM head only sees the M masked positions.
+              `TrainState` with `bert_adamw`; the MLM head only sees the M masked positions;
+              each BERT call runs in chunks of <= `--chunk_tokens` tokens (2048 on CPU).
 
 The weights are the HF models' seeded random init, converted with `from_hf_state_dict`; the batch
 is random word pieces with random lengths (padding), the query's masked tokens replaced by [MASK]
@@ -82,6 +83,9 @@ def parse_args():
   p.add_argument("--no_dropout", action="store_true", help="dropout off on both sides")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                  help="realm_jax compute dtype (the PyTorch side is always float32)")
+  p.add_argument("--chunk_tokens", type=int, default=None,
+                 help="realm_jax: run each BERT call over at most this many tokens at a time "
+                      "(RealmConfig.chunk_tokens); default 2048 on CPU, 0 (off) on accelerators")
   p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                  help="torch.set_num_threads (default: the cores this process may use)")
   p.add_argument("--torch_device", default="cpu", help="cpu or cuda")
@@ -284,7 +288,8 @@ def run_jax(args, params, hf_cfg, batch) -> dict:
   from realm_jax.models import KnowledgeAugEncoder, RealmConfig, RealmRetriever
   from realm_jax.train.optimizer import bert_adamw
   from realm_jax.train.realm_step import RealmModels, TrainState, realm_loss, train_step
-  cfg = RealmConfig.from_dict(hf_cfg.to_dict()).replace(dtype=args.dtype)
+  cfg = RealmConfig.from_dict(hf_cfg.to_dict()).replace(dtype=args.dtype,
+                                                         chunk_tokens=args.chunk_tokens)
   models = RealmModels(RealmRetriever(cfg), KnowledgeAugEncoder(cfg))
   # warmup 0 and a long decay: the learning rate stays ~lr, as the constant one of the HF side.
   tx = bert_adamw(args.lr, total_steps=100_000, warmup_steps=0, weight_decay=0.01, eps=1e-6,
@@ -336,6 +341,8 @@ def main():
 
   backend = jax.default_backend()
   on_gpu = backend == "gpu"
+  if args.chunk_tokens is None:
+    args.chunk_tokens = 2048 if backend == "cpu" else 0
   torch_device = args.torch_device
   run_hf = not on_gpu or (torch_device == "cuda" and torch.cuda.is_available())
   if torch_device == "cuda" and not torch.cuda.is_available():
@@ -364,7 +371,8 @@ def main():
   print("host allocator: " + ("glibc keeps freed blocks (--keep_freed_memory)"
                               if args.keep_freed_memory else "glibc defaults (mmap + trim)"))
   print(f"dropout {'off' if args.no_dropout else 'on'}; AdamW lr {args.lr:g} wd 0.01 eps 1e-6, "
-        f"clip 1.0; realm_jax dtype {args.dtype}; {args.steps} timed steps each")
+        f"clip 1.0; realm_jax dtype {args.dtype}, chunk_tokens {args.chunk_tokens}; "
+        f"{args.steps} timed steps each")
   print(f"model FLOPs per step {flops / 1e12:.3f} TFLOP (3 x forward); the HF all-positions MLM "
         f"head adds {hf_extra / 1e12:.3f} TFLOP ({hf_extra / flops:.0%})")
   print(f"jax {jax.__version__} on {backend} ({jax.devices()[0].device_kind}), torch "

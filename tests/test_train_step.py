@@ -39,8 +39,8 @@ def make_batch(seed=0, b=8, k=4, lq=10, ld=12, le=20, m=3, vocab=100):
           "mlm_weights": weights}
 
 
-def make_models(share=True, scale=1.0):
-  return RealmModels(RealmRetriever(CFG, share_embedders=share), KnowledgeAugEncoder(CFG), scale)
+def make_models(share=True, scale=1.0, cfg=CFG):
+  return RealmModels(RealmRetriever(cfg, share_embedders=share), KnowledgeAugEncoder(cfg), scale)
 
 
 def make_params(models, seed=0):
@@ -48,8 +48,8 @@ def make_params(models, seed=0):
   return {"retriever": _init(models.retriever, CFG, r1), "encoder": _init(models.encoder, CFG, r2)}
 
 
-def run_steps(mesh, n_steps=3, dropout=True):
-  models = make_models()
+def run_steps(mesh, n_steps=3, dropout=True, cfg=CFG):
+  models = make_models(cfg=cfg)
   # Adam divides by sqrt(v): on a parameter whose gradient is ~0 (a rare word piece) a 1e-9
   # difference from another summation order moves the update by ~lr, so lr bounds the comparison.
   tx = bert_adamw(1e-4, 10, warmup_steps=2)
@@ -167,6 +167,40 @@ def test_bert_schedule_and_decay_mask():
   mask = decay_mask({"dense": {"kernel": 1, "bias": 2}, "LayerNorm": {"scale": 3, "bias": 4}})
   assert mask == {"dense": {"kernel": True, "bias": False},
                   "LayerNorm": {"scale": False, "bias": False}}
+
+
+def test_num_chunks_by_hand():
+  from realm_jax.models.bert import num_chunks
+  assert num_chunks(64, 128, 0) == 1            # off
+  assert num_chunks(64, 128, 8192) == 1         # fits in one
+  assert num_chunks(64, 128, 2048) == 4         # 8192 / 2048
+  assert num_chunks(64, 160, 2048) == 8         # 5 needed, 5 does not divide 64
+  assert num_chunks(7, 10, 20) == 7             # prime row count: one row per chunk
+  assert num_chunks(6, 100, 10) == 6            # a row longer than a chunk: one row per chunk
+
+
+def test_chunked_bert_calls_change_no_number():
+  """config.chunk_tokens runs each BERT call in interleaved chunks of rows: the loss and every
+  gradient equal the unchunked model's; sharded over 8 devices, 3 steps equal the single-device
+  unchunked steps."""
+  batch = make_batch(seed=3)
+  params = make_params(make_models())
+  out = []
+  for chunk in (0, 200):  # 200 tokens: query 1, candidate 2 and joint 4 chunks
+    models = make_models(cfg=CFG.replace(chunk_tokens=chunk))
+    (loss, _), grads = jax.jit(jax.value_and_grad(
+        lambda p: realm_loss(p, batch, models), has_aux=True))(params)
+    out.append((loss, grads))
+  np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):  # float32 rounding
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()) + 1e-9)
+  assert jax.device_count() == 8
+  single_params, single_losses = run_steps(Mesh(np.array(jax.devices()[:1]), ("data",)),
+                                           dropout=False)
+  sharded_params, sharded_losses = run_steps(Mesh(np.array(jax.devices()), ("data",)),
+                                             dropout=False, cfg=CFG.replace(chunk_tokens=200))
+  np.testing.assert_allclose(sharded_losses, single_losses, atol=1e-5, rtol=0)
+  chex.assert_trees_all_close(sharded_params, single_params, atol=1e-5, rtol=0)
 
 
 def test_layer_recomputation_changes_no_number():

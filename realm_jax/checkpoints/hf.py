@@ -34,6 +34,7 @@ from flax import traverse_util
 from realm_jax.io_utils import as_path, atomic_write, is_remote, local_copy_of_dir, write_json
 from realm_jax.models import (BertModel, KnowledgeAugEncoder, RealmConfig, RealmEmbedder,
                               RealmReader, RealmRetriever)
+from realm_jax.models.config import RUN_TIME_FIELDS
 
 KINDS = ("bert", "embedder", "retriever", "encoder", "reader")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -312,7 +313,7 @@ def save_hf_checkpoint(directory: str | os.PathLike, config: RealmConfig, params
   else:
     os.makedirs(directory, exist_ok=True)
   state = to_hf_state_dict(params, kind, extras)
-  hf_config = {k: v for k, v in config.to_dict().items() if k not in ("dtype",)}
+  hf_config = {k: v for k, v in config.to_dict().items() if k not in RUN_TIME_FIELDS}
   if config.retriever_layer_norm_eps is None:
     hf_config.pop("retriever_layer_norm_eps")
   hf_config["model_type"] = "bert" if kind == "bert" else "realm"

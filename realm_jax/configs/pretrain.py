@@ -44,6 +44,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.score_scale = 1.0             # multiplies relevance scores (20 for L2-normalised MiniLM)
   c.dtype = "float32"             # compute dtype: float32 | bfloat16
   c.remat = False                 # recompute each layer in the backward pass (less memory)
+  c.chunk_tokens = 0              # >0: BERT calls in chunks of <= this many tokens (CPU: ~2048)
 
   c.corpus = ml_collections.ConfigDict(dict(
       source="wiki_vital", paths=(), block_length=288, blocking="sentences", max_docs=0,

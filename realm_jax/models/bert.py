@@ -145,6 +145,17 @@ class BertPooler(nn.Module):
     return jnp.tanh(dense(self.config, self.config.hidden_size, "dense")(sequence[..., 0, :]))
 
 
+def num_chunks(rows: int, seq_len: int, chunk_tokens: int) -> int:
+  """How many chunks of rows a BERT call over [rows, seq_len] runs in: the fewest that divide
+  `rows` and hold at most `chunk_tokens` tokens each (one row at least); 1 when chunk_tokens is 0."""
+  if chunk_tokens <= 0 or rows * seq_len <= chunk_tokens:
+    return 1
+  n = min(rows, -(-rows * seq_len // chunk_tokens))
+  while rows % n:
+    n += 1
+  return n
+
+
 def attention_bias(attention_mask: Array) -> Array:
   """[..., L] 0/1 mask -> additive bias [..., 1, 1, L] (HF convention: (1 - m) * finfo.min)."""
   m = attention_mask.astype(jnp.float32)
@@ -177,9 +188,19 @@ class BertModel(nn.Module):
     if token_type_ids is None:
       token_type_ids = jnp.zeros_like(input_ids)
     lead, seq_len = input_ids.shape[:-1], input_ids.shape[-1]
-    flat = lambda t: t.reshape(-1, seq_len)
-    x = self.embeddings(flat(input_ids), flat(token_type_ids), deterministic)
-    x = self.encoder(x, attention_bias(flat(attention_mask)), deterministic)
+    ids, types, mask = (t.reshape(-1, seq_len) for t in (input_ids, token_type_ids, attention_mask))
+    rows = ids.shape[0]
+    n = num_chunks(rows, seq_len, self.config.chunk_tokens)
+    trunk = lambda i, t, m: self.encoder(self.embeddings(i, t, deterministic), attention_bias(m),
+                                         deterministic)
+    if n == 1:
+      x = trunk(ids, types, mask)
+    else:
+      # Chunk c holds rows c, c + n, c + 2n, ...: a batch sharded along its rows keeps that
+      # sharding in every chunk, so no chunk moves data between devices.
+      part = lambda t, c: t.reshape(rows // n, n, seq_len)[:, c]
+      x = jnp.stack([trunk(part(ids, c), part(types, c), part(mask, c)) for c in range(n)], axis=1)
+      x = x.reshape(rows, seq_len, -1)
     pooled = self.pooler(x) if self.add_pooling_layer else None
     x = x.reshape(*lead, seq_len, -1)
     if pooled is not None:

@@ -58,10 +58,11 @@ def _init(module, config: RealmConfig, rng, k: int = 2, length: int = 8):
 
 
 def sized_model_config(config, model_config: RealmConfig) -> RealmConfig:
-  """`model_config` with the run's compute dtype and layer recomputation (config.remat) and, if
-  config.num_layers > 0, only the first num_layers transformer layers of the weights (small CPU
-  demos)."""
-  model_config = model_config.replace(dtype=config.dtype, remat=bool(config.get("remat", False)))
+  """`model_config` with the run's compute dtype, layer recomputation (config.remat) and chunking
+  (config.chunk_tokens) and, if config.num_layers > 0, only the first num_layers transformer
+  layers of the weights (small CPU demos)."""
+  model_config = model_config.replace(dtype=config.dtype, remat=bool(config.get("remat", False)),
+                                      chunk_tokens=int(config.get("chunk_tokens", 0)))
   if config.num_layers:
     if config.num_layers > model_config.num_hidden_layers:
       raise ValueError(f"config.num_layers={config.num_layers} is more than the "
