@@ -197,7 +197,8 @@ class BertModel(nn.Module):
       x = trunk(ids, types, mask)
     else:
       # Chunk c holds rows c, c + n, c + 2n, ...: a batch sharded along its rows keeps that
-      # sharding in every chunk, so no chunk moves data between devices.
+      # sharding in every chunk (when each device's rows split evenly into the n chunks), so no
+      # chunk moves data between devices.
       part = lambda t, c: t.reshape(rows // n, n, seq_len)[:, c]
       x = jnp.stack([trunk(part(ids, c), part(types, c), part(mask, c)) for c in range(n)], axis=1)
       x = x.reshape(rows, seq_len, -1)
