@@ -169,6 +169,22 @@ def test_bert_schedule_and_decay_mask():
                   "LayerNorm": {"scale": False, "bias": False}}
 
 
+def assert_same_loss_and_gradients(cfg_a, cfg_b, dropout_rng):
+  """Same parameters and batch under two model configs: the loss and every gradient agree up to
+  float32 rounding of a differently arranged computation."""
+  batch = make_batch(seed=3)
+  params = make_params(make_models())
+  out = []
+  for cfg in (cfg_a, cfg_b):
+    models = make_models(cfg=cfg)
+    (loss, _), grads = jax.jit(jax.value_and_grad(
+        lambda p: realm_loss(p, batch, models, dropout_rng), has_aux=True))(params)
+    out.append((loss, grads))
+  np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):  # float32 rounding
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()) + 1e-9)
+
+
 def test_num_chunks_by_hand():
   from realm_jax.models.bert import num_chunks
   assert num_chunks(64, 128, 0) == 1            # off
@@ -183,17 +199,8 @@ def test_chunked_bert_calls_change_no_number():
   """config.chunk_tokens runs each BERT call in interleaved chunks of rows: the loss and every
   gradient equal the unchunked model's; sharded over 8 devices, 3 steps equal the single-device
   unchunked steps."""
-  batch = make_batch(seed=3)
-  params = make_params(make_models())
-  out = []
-  for chunk in (0, 200):  # 200 tokens: query 1, candidate 2 and joint 4 chunks
-    models = make_models(cfg=CFG.replace(chunk_tokens=chunk))
-    (loss, _), grads = jax.jit(jax.value_and_grad(
-        lambda p: realm_loss(p, batch, models), has_aux=True))(params)
-    out.append((loss, grads))
-  np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):  # float32 rounding
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()) + 1e-9)
+  # 200 tokens: query 1, candidate 2 and joint 4 chunks
+  assert_same_loss_and_gradients(CFG, CFG.replace(chunk_tokens=200), dropout_rng=None)
   assert jax.device_count() == 8
   single_params, single_losses = run_steps(Mesh(np.array(jax.devices()[:1]), ("data",)),
                                            dropout=False)
@@ -207,18 +214,8 @@ def test_layer_recomputation_changes_no_number():
   """config.remat recomputes each layer in the backward pass: loss and every gradient equal the
   plain model's (same parameters, same dropout) up to float32 rounding of a differently fused
   computation."""
-  batch = make_batch(seed=3)
-  out = []
-  for remat in (False, True):
-    cfg = CFG.replace(remat=remat)
-    models = RealmModels(RealmRetriever(cfg), KnowledgeAugEncoder(cfg), 1.0)
-    params = make_params(make_models())
-    (loss, _), grads = jax.jit(jax.value_and_grad(
-        lambda p: realm_loss(p, batch, models, jax.random.key(7)), has_aux=True))(params)
-    out.append((loss, grads))
-  np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):  # float32 rounding
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()) + 1e-9)
+  assert_same_loss_and_gradients(CFG.replace(remat=False), CFG.replace(remat=True),
+                                 dropout_rng=jax.random.key(7))
 
 
 def test_memory_estimate_against_xla():

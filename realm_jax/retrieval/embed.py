@@ -192,8 +192,10 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
       np.arange(s * shard_size, min(n, (s + 1) * shard_size)), max_length, tokenizer, truncate)
   # One set of buckets for every shard, from the first shard's lengths: each shape compiles once,
   # and a resumed run pads every shard exactly as an uninterrupted one does.
-  first = shard_inputs(0) if todo else None
-  buckets = optimal_buckets(first["attention_mask"].sum(-1), max_length) if todo else None
+  first, buckets = None, None
+  if todo:
+    first = shard_inputs(0)
+    buckets = optimal_buckets(first["attention_mask"].sum(-1), max_length)
   with tqdm(total=n, initial=done_rows, desc="embedding corpus", unit="block", smoothing=0.1) as bar:
     for s in todo:
       inputs = first if s == 0 else shard_inputs(s)
