@@ -32,6 +32,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()   # init=random: RealmConfig fields
   c.num_layers = 0                # >0: keep only the first N transformer layers of the weights
   c.dtype = "float32"             # compute dtype: float32 | bfloat16
+  c.chunk_tokens = 0              # >0: BERT calls in chunks of <= this many tokens (CPU: ~2048)
 
   c.corpus = ml_collections.ConfigDict(dict(
       source="wiki_vital", paths=(), block_length=288, blocking="sentences", max_docs=0,
