@@ -1,0 +1,107 @@
+"""How often the pre-training demo's retriever puts the masked span in front of the encoder.
+
+  python experiments/pretrain.py --flagfile=experiments/flags/pretrain_demo.flags   # first
+  python benchmarks/demo_evidence.py                     # reads work/pretrain_demo/data
+  python benchmarks/demo_evidence.py --layers 2 4 6 --every=1
+
+For each training example (every `--every`-th, one span masked as in training) the demo's index
+is built with all-MiniLM-L6-v2 cut to each of `--layers` layers, the K - 1 nearest blocks are
+retrieved with the example's own block excluded, and `CandidateBuilder` lays out the encoder's
+inputs; its `span_found` says whether the masked word pieces occur in a retrieved body as the
+encoder sees it. Printed for each depth, with the queries' [MASK] tokens in the mean pooling
+(as in training) and left out of it. Also: the share of masked spans that occur anywhere in the
+corpus outside their own block (the most any retriever could give).
+"""
+
+import argparse
+import glob
+import json
+import os
+
+import jax
+import numpy as np
+
+from realm_jax.configs.pretrain import get_config
+from realm_jax.data.pretrain import MaskOneSpan, special_ids
+from realm_jax.models import RealmEmbedder
+from realm_jax.retrieval.build import open_corpus
+from realm_jax.retrieval.embed import embed_in_buckets
+from realm_jax.retrieval.index import DocIndex
+from realm_jax.retrieval.towers import load_tower
+from realm_jax.train.candidates import CandidateBuilder, masked_span
+
+
+def cut_tower(tower, layers: int):
+  """A jitted batch -> [B, D] function of the first `layers` layers of a mean-pooled tower."""
+  config = tower.module.config
+  if not 1 <= layers <= config.num_hidden_layers:
+    raise ValueError(f"--layers {layers}: the weights have 1 to {config.num_hidden_layers}.")
+  module = RealmEmbedder(config.replace(num_hidden_layers=layers), pooling="mean", normalize=True)
+  realm = dict(tower.params["realm"])
+  realm["encoder"] = {f"layer_{i}": realm["encoder"][f"layer_{i}"] for i in range(layers)}
+  return jax.jit(lambda b: module.apply({"params": {"realm": realm}}, b["input_ids"],
+                                        b["attention_mask"], b["token_type_ids"]))
+
+
+def occurs_elsewhere(corpus, queries, rows) -> float:
+  """Share of examples whose masked span occurs in the body of a block other than their own."""
+  grams: dict[tuple, set] = {}
+  spans = [tuple(masked_span(queries, i)) for i in range(len(rows))]
+  wanted = set(spans)
+  lengths = {len(s) for s in wanted}
+  for r in range(len(corpus)):
+    body = list(corpus[r]["token_ids"])
+    for n in lengths:
+      for i in range(len(body) - n + 1):
+        g = tuple(body[i:i + n])
+        if g in wanted:
+          grams.setdefault(g, set()).add(r)
+  return float(np.mean([bool(grams.get(s, set()) - {int(r)}) for s, r in zip(spans, rows)]))
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--workdir", default="work/pretrain_demo")
+  p.add_argument("--layers", type=int, nargs="+", default=[2, 6])
+  p.add_argument("--every", type=int, default=2, help="use every n-th training example")
+  p.add_argument("--seed", type=int, default=0, help="which span of each example is masked")
+  args = p.parse_args()
+  config = get_config("demo")
+  data_dir = os.path.join(args.workdir, "data")
+  found = sorted(glob.glob(os.path.join(data_dir, "examples-*", "train.array_record")))
+  if not found:
+    raise FileNotFoundError(f"No examples under {data_dir}: run the demo first "
+                            "(experiments/pretrain.py --flagfile=experiments/flags/pretrain_demo.flags).")
+  tower = load_tower("minilm")
+  tok = tower.tokenizer
+  corpus = open_corpus(config, data_dir, tok.vocab_file)
+
+  import grain
+  source = grain.sources.ArrayRecordDataSource(found[-1])
+  mask = MaskOneSpan(config.query_length, config.max_masked, *special_ids(tok))
+  rng = np.random.default_rng(args.seed)
+  examples = [mask(source[i], rng) for i in range(0, len(source), args.every)]
+  queries = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+  builder = CandidateBuilder(corpus, tok.cls_id, tok.sep_id, config.num_candidates,
+                             config.doc_length, config.joint_length)
+  docs = corpus.model_inputs(range(len(corpus)), config.doc_length, tok)
+  print(f"{len(examples)} training examples of {found[-1]}, {len(corpus)} blocks, "
+        f"K - 1 = {config.num_candidates - 1} retrieved")
+  print(f"masked span in some other block's body: {occurs_elsewhere(corpus, queries, queries['block_row']):.3f}")
+  print("| retriever layers | [MASK] in query pooling | span in a retrieved body |\n| --- | --- | --- |")
+  for layers in args.layers:
+    fn = cut_tower(tower, layers)
+    index = DocIndex(embed_in_buckets(fn, docs, 64, desc=f"{layers} layers"), corpus.block_ids)
+    for with_mask in (True, False):
+      q = {k: queries[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+      if not with_mask:
+        q["attention_mask"] = q["attention_mask"] * (q["input_ids"] != tok.mask_id)
+      emb = np.asarray(fn(q))
+      _, ids = index.search(emb, config.num_candidates - 1, exclude_ids=queries["block_id"])
+      rows = corpus.rows_of(np.asarray(ids))
+      hit = builder.build(queries, rows)["span_found"].mean()
+      print(f"| {layers} | {'yes' if with_mask else 'no'} | {hit:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
