@@ -15,9 +15,9 @@ corpus outside their own block (the most any retriever could give).
 
 import argparse
 import glob
-import json
 import os
 
+import grain
 import jax
 import numpy as np
 
@@ -70,13 +70,13 @@ def main():
   data_dir = os.path.join(args.workdir, "data")
   found = sorted(glob.glob(os.path.join(data_dir, "examples-*", "train.array_record")))
   if not found:
-    raise FileNotFoundError(f"No examples under {data_dir}: run the demo first "
-                            "(experiments/pretrain.py --flagfile=experiments/flags/pretrain_demo.flags).")
+    raise FileNotFoundError(
+        f"No examples under {data_dir}: run the demo first (experiments/pretrain.py "
+        "--flagfile=experiments/flags/pretrain_demo.flags) or pass its --workdir.")
   tower = load_tower("minilm")
   tok = tower.tokenizer
   corpus = open_corpus(config, data_dir, tok.vocab_file)
 
-  import grain
   source = grain.sources.ArrayRecordDataSource(found[-1])
   mask = MaskOneSpan(config.query_length, config.max_masked, *special_ids(tok))
   rng = np.random.default_rng(args.seed)
@@ -87,8 +87,10 @@ def main():
   docs = corpus.model_inputs(range(len(corpus)), config.doc_length, tok)
   print(f"{len(examples)} training examples of {found[-1]}, {len(corpus)} blocks, "
         f"K - 1 = {config.num_candidates - 1} retrieved")
-  print(f"masked span in some other block's body: {occurs_elsewhere(corpus, queries, queries['block_row']):.3f}")
-  print("| retriever layers | [MASK] in query pooling | span in a retrieved body |\n| --- | --- | --- |")
+  elsewhere = occurs_elsewhere(corpus, queries, queries["block_row"])
+  print(f"masked span in some other block's body: {elsewhere:.3f}")
+  print("| retriever layers | [MASK] in query pooling | span in a retrieved body |")
+  print("| --- | --- | --- |")
   for layers in args.layers:
     fn = cut_tower(tower, layers)
     index = DocIndex(embed_in_buckets(fn, docs, 64, desc=f"{layers} layers"), corpus.block_ids)
