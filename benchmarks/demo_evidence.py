@@ -43,8 +43,9 @@ def cut_tower(tower, layers: int):
                                         b["attention_mask"], b["token_type_ids"]))
 
 
-def occurs_elsewhere(corpus, queries, rows) -> float:
+def occurs_elsewhere(corpus, queries) -> float:
   """Share of examples whose masked span occurs in the body of a block other than their own."""
+  rows = queries["block_row"]
   grams: dict[tuple, set] = {}
   spans = [tuple(masked_span(queries, i)) for i in range(len(rows))]
   wanted = set(spans)
@@ -87,8 +88,7 @@ def main():
   docs = corpus.model_inputs(range(len(corpus)), config.doc_length, tok)
   print(f"{len(examples)} training examples of {found[-1]}, {len(corpus)} blocks, "
         f"K - 1 = {config.num_candidates - 1} retrieved")
-  elsewhere = occurs_elsewhere(corpus, queries, queries["block_row"])
-  print(f"masked span in some other block's body: {elsewhere:.3f}")
+  print(f"masked span in some other block's body: {occurs_elsewhere(corpus, queries):.3f}")
   print("| retriever layers | [MASK] in query pooling | span in a retrieved body |")
   print("| --- | --- | --- |")
   for layers in args.layers:
