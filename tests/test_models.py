@@ -75,3 +75,25 @@ def test_unknown_pooling_is_refused():
   with pytest.raises(ValueError, match="pooling='max' is not supported"):
     RealmEmbedder(tiny_config(), pooling="max").init(
         jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4)), jnp.zeros((1, 4), jnp.int32))
+
+
+def test_query_ignore_id_treats_the_token_as_padding_in_the_query_tower_only():
+  """RealmRetriever(query_ignore_id=t): queries are embedded as if every t were padding (no
+  attention to it, not pooled); queries without t and all documents are unchanged."""
+  config = tiny_config()
+  ids = jnp.array([[2, 5, 9, 9, 6, 3, 0], [2, 5, 7, 6, 3, 0, 0]])   # 9 plays [MASK]
+  mask = (ids > 0).astype(jnp.int32)
+  q = dict(input_ids=ids, attention_mask=mask, token_type_ids=jnp.zeros_like(ids))
+  c = {k: v[:, None, :] for k, v in q.items()}
+  for pooling in ("mean", "projected_cls"):
+    plain = RealmRetriever(config, share_embedders=False, pooling=pooling)
+    hiding = RealmRetriever(config, share_embedders=False, pooling=pooling, query_ignore_id=9)
+    params = plain.init(jax.random.key(1), q, c)["params"]
+    _, q_plain, c_plain = plain.apply({"params": params}, q, c)
+    _, q_hide, c_hide = hiding.apply({"params": params}, q, c)
+    padded = dict(q, attention_mask=mask * (ids != 9))
+    _, q_padded, _ = plain.apply({"params": params}, padded, c)
+    np.testing.assert_array_equal(q_hide, q_padded)
+    np.testing.assert_array_equal(c_hide, c_plain)
+    np.testing.assert_array_equal(q_hide[1], q_plain[1])       # no 9 in the second query
+    assert np.abs(q_hide[0] - q_plain[0]).max() > 1e-3

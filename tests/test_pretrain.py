@@ -110,6 +110,24 @@ def test_finished_run_does_nothing_and_other_config_is_refused(data_dir, uninter
   assert code != 0 and "another config" in out and "max_masked" in out
 
 
+def test_a_workdir_from_before_a_fixed_setting_existed_takes_its_old_value(tmp_path):
+  """A config.json without retriever_learning_rate (a run made before it existed) was made with
+  one learning rate for everything: resuming with the default is fine, with a separate retriever
+  rate (another optimiser-state layout) refused."""
+  from realm_jax.configs.pretrain import get_config
+  from realm_jax.train.pretrain import check_workdir_config
+  config = get_config("tiny")
+  check_workdir_config(config, str(tmp_path))
+  saved = json.loads((tmp_path / "config.json").read_text())
+  del saved["retriever_learning_rate"]
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  check_workdir_config(config, str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  config.retriever_learning_rate = 1e-4
+  with pytest.raises(ValueError, match=r"another config \(retriever_learning_rate differ"):
+    check_workdir_config(config, str(tmp_path))
+
+
 def test_unknown_flag_is_refused(tmp_path, data_dir):
   code, out = run(str(tmp_path / "w"), data_dir, "--config.no_such_setting=1")
   assert code != 0 and "no_such_setting" in out

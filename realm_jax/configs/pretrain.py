@@ -42,6 +42,8 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.normalize = False
   c.share_embedders = True
   c.score_scale = 1.0             # multiplies relevance scores (20 for L2-normalised MiniLM)
+  c.mlm_transform_init = "random"  # a new MLM head's dense layer: random | identity
+  c.query_hides_mask = False      # the query tower ignores [MASK]: retrieves with x minus its span
   c.dtype = "float32"             # compute dtype: float32 | bfloat16
   c.remat = False                 # recompute each layer in the backward pass (less memory)
   c.chunk_tokens = 0              # >0: BERT calls in chunks of <= this many tokens (CPU: ~2048)
@@ -62,6 +64,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.batch_size = 512              # global, over all devices and hosts
   c.num_steps = 200_000
   c.learning_rate = 3e-5
+  c.retriever_learning_rate = -1.0  # >= 0: the retriever towers' own peak rate (-1: as above)
   c.warmup_steps = -1             # -1: min(10k, max(100, steps / 10))
   c.weight_decay = 0.01
   c.clip_norm = 1.0

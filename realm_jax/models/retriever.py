@@ -70,11 +70,16 @@ class RealmRetriever(nn.Module):
 
   Parameters: `embedder` (the document tower, and the query tower when shared) and, when
   `share_embedders=False`, `query_embedder`. These are the HF `RealmScorer` names.
+
+  `query_ignore_id` >= 0 (pre-training passes [MASK]): the query tower treats that token as padding,
+  so a masked span's placeholders take no part in the query's attention or pooling and the query
+  is the sentence without its span (no parameters change; the encoder still sees the [MASK]s).
   """
   config: RealmConfig
   share_embedders: bool = True
   pooling: str = "projected_cls"
   normalize: bool = False
+  query_ignore_id: int = -1
 
   def setup(self):
     self.embedder = RealmEmbedder(self.config, self.pooling, self.normalize)
@@ -83,6 +88,9 @@ class RealmRetriever(nn.Module):
 
   def embed_queries(self, input_ids, attention_mask, token_type_ids, deterministic=True) -> Array:
     tower = self.embedder if self.share_embedders else self.query_embedder
+    if self.query_ignore_id >= 0:
+      attention_mask = attention_mask * (input_ids != self.query_ignore_id).astype(
+          attention_mask.dtype)
     return tower(input_ids, attention_mask, token_type_ids, deterministic)
 
   def embed_documents(self, input_ids, attention_mask, token_type_ids, deterministic=True) -> Array:

@@ -3,7 +3,9 @@
 config.init:
   minilm  both the retriever and the encoder start from the all-MiniLM-L6-v2 BERT installed from
           the registry (mean pooling, L2-normalised, scores scaled by config.score_scale); the
-          MLM head (transform, bias) starts at random, its decoder tied to the word embeddings.
+          MLM head (transform, bias) starts at random, its decoder tied to the word embeddings
+          (config.mlm_transform_init='identity': the transform's dense layer starts as the
+          identity, for any new head).
   hf      config.retriever_weights: a HF REALM embedder/scorer directory (REALM's projected [CLS]),
           e.g. the output of experiments/ict.py; config.encoder_weights: a HF REALM
           knowledge-augmented encoder or a BERT directory (a BERT gets a fresh MLM head).
@@ -26,9 +28,11 @@ from realm_jax.io_utils import as_path
 from realm_jax.models.config import RealmConfig
 from realm_jax.models.encoder import KnowledgeAugEncoder
 from realm_jax.models.retriever import RealmRetriever
+from realm_jax.text import BertTokenizer
 from realm_jax.train.realm_step import RealmModels
 
 INITS = ("minilm", "hf", "random")
+MLM_TRANSFORM_INITS = ("random", "identity")  # the dense layer of a new MLM head
 
 
 def overlay(base: dict, loaded: dict, what: str) -> dict:
@@ -92,13 +96,15 @@ def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
     if not vocab:  # the uncased BERT vocabulary of the installed MiniLM package
       vocab = os.path.join(minilm_dir(), "vocab.txt")
   model_config = sized_model_config(config, model_config)
-  return make_models(config, model_config), model_config, vocab
+  mask_id = BertTokenizer(vocab).mask_id if config.get("query_hides_mask", False) else -1
+  return make_models(config, model_config, mask_id), model_config, vocab
 
 
-def make_models(config, model_config: RealmConfig) -> RealmModels:
+def make_models(config, model_config: RealmConfig, mask_id: int = -1) -> RealmModels:
   """The modules of a run of `config` with the given (sized) model config. Pooling follows the
   weights: MiniLM is mean-pooled and L2-normalised, HF REALM uses its projected [CLS], random
-  models take config.pooling / config.normalize."""
+  models take config.pooling / config.normalize. With config.query_hides_mask, the query tower
+  ignores the [MASK] token `mask_id` (no parameter depends on it)."""
   if config.init == "minilm":
     pooling, normalize = "mean", True
   elif config.init == "hf":
@@ -107,7 +113,7 @@ def make_models(config, model_config: RealmConfig) -> RealmModels:
     pooling, normalize = config.get("pooling", "projected_cls"), config.get("normalize", False)
   return RealmModels(
       RealmRetriever(model_config, share_embedders=config.share_embedders, pooling=pooling,
-                     normalize=normalize),
+                     normalize=normalize, query_ignore_id=mask_id),
       KnowledgeAugEncoder(model_config), float(config.score_scale))
 
 
@@ -118,8 +124,34 @@ def param_shapes(models: RealmModels, model_config: RealmConfig) -> dict:
           "encoder": jax.eval_shape(lambda r: _init(models.encoder, model_config, r), key)}
 
 
+def identity_mlm_transform(encoder_params: dict) -> dict:
+  """Encoder parameters whose MLM transform's dense layer is the identity (zero bias).
+
+  The decoder is tied to the word embeddings, so the head then starts by scoring each word by how
+  close its embedding is to the (GELU'd, normalised) hidden state: a hidden state that attention
+  filled with a word of the evidence already points at that word. Measured on the demo with the
+  sentence's own block as the only candidate (300 steps, lr 1e-3): held-out accuracy 8.2% vs
+  4.3% with the null document, against 4.6% vs 2.8% with a random transform.
+  """
+  flat = traverse_util.flatten_dict(encoder_params)
+  key = ("cls", "predictions", "transform", "dense")
+  h = flat[key + ("kernel",)].shape[0]
+  flat[key + ("kernel",)] = np.eye(h, dtype=np.float32)
+  flat[key + ("bias",)] = np.zeros((h,), np.float32)
+  return traverse_util.unflatten_dict(flat)
+
+
 def init_params(config, models: RealmModels, model_config: RealmConfig, rng) -> dict:
   """Starting weights {"retriever", "encoder"} (float32, on the host)."""
+  head_init = config.get("mlm_transform_init", "random")
+  if head_init not in MLM_TRANSFORM_INITS:
+    raise ValueError(f"config.mlm_transform_init={head_init!r}: use one of {MLM_TRANSFORM_INITS}.")
+  if config.init == "hf":
+    kind = detect_kind(read_state_dict(config.encoder_weights).keys())
+    if kind == "encoder" and head_init == "identity":
+      raise ValueError(f"config.mlm_transform_init='identity' would overwrite the MLM head of "
+                       f"{config.encoder_weights}; keep the default 'random' (only a new head "
+                       "is initialised).")
   r1, r2 = jax.random.split(rng)
   params = {"retriever": _init(models.retriever, model_config, r1),
             "encoder": _init(models.encoder, model_config, r2)}
@@ -140,9 +172,10 @@ def init_params(config, models: RealmModels, model_config: RealmConfig, rng) -> 
     if not config.share_embedders and "query_embedder" not in retr:
       retr["query_embedder"] = retr["embedder"]
     params["retriever"] = overlay(params["retriever"], retr, config.retriever_weights)
-    kind = detect_kind(read_state_dict(config.encoder_weights).keys())
     _, enc, _ = load_hf_checkpoint(config.encoder_weights, kind=kind, config=model_config,
                                    strict=False)
     params["encoder"] = overlay(params["encoder"], enc if kind == "encoder" else {"realm": enc},
                                  config.encoder_weights)
+  if head_init == "identity":
+    params["encoder"] = identity_mlm_transform(params["encoder"])
   return jax.tree.map(lambda x: np.asarray(x, np.float32), params)

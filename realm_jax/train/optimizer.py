@@ -65,8 +65,23 @@ def delayed_schedule(learning_rate: float, total_steps: int, start: int,
 
 def from_config(config) -> tuple[optax.Schedule, optax.GradientTransformation]:
   """(learning-rate schedule, BERT AdamW) of a run config with learning_rate, num_steps,
-  warmup_steps (-1: the default), weight_decay and clip_norm."""
+  warmup_steps (-1: the default), weight_decay and clip_norm.
+
+  With config.retriever_learning_rate >= 0 (pre-training; -1 by default: learning_rate for
+  everything) the parameters under "retriever" follow their own schedule of the same shape, and
+  the others (the encoder) config.learning_rate; the gradient is still clipped as one. The
+  schedule returned is config.learning_rate's.
+  """
   warmup = None if config.warmup_steps < 0 else config.warmup_steps
-  return (bert_schedule(config.learning_rate, config.num_steps, warmup),
-          bert_adamw(config.learning_rate, config.num_steps, warmup, config.weight_decay,
-                     clip_norm=config.clip_norm))
+  schedule = bert_schedule(config.learning_rate, config.num_steps, warmup)
+  retriever_lr = config.get("retriever_learning_rate", -1.0)
+  if retriever_lr < 0:
+    return schedule, bert_adamw(config.learning_rate, config.num_steps, warmup,
+                                config.weight_decay, clip_norm=config.clip_norm)
+  adamw = lambda s: optax.adamw(s, b1=0.9, b2=0.999, eps=1e-6, weight_decay=config.weight_decay,
+                                mask=decay_mask)
+  parts = {"retriever": adamw(bert_schedule(retriever_lr, config.num_steps, warmup)),
+           "rest": adamw(schedule)}
+  label = lambda params: {k: ("retriever" if k == "retriever" else "rest") for k in params}
+  return schedule, optax.chain(optax.clip_by_global_norm(config.clip_norm),
+                               optax.multi_transform(parts, label))

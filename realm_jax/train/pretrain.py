@@ -39,9 +39,12 @@ from realm_jax.train.refresh import (REFRESH_MODES, AsyncIndexWatcher, DocumentE
                                      index_step, load_index, refresh)
 from realm_jax.retrieval.index import latest_index_dir
 
-# Settings that change the shapes of parameters or of the data: a workdir keeps its own.
-_FIXED = ("init", "model", "num_layers", "share_embedders", "corpus", "query_length", "max_masked", "tagger",
-          "heldout_percent")
+# Settings that change the shapes of parameters, of the optimiser state (a separate retriever
+# rate adds a partition) or of the data: a workdir keeps its own.
+_FIXED = ("init", "model", "num_layers", "share_embedders", "retriever_learning_rate", "corpus",
+          "query_length", "max_masked", "tagger", "heldout_percent")
+# Fixed settings added later, and the value that runs made before them used.
+_ADDED = {"retriever_learning_rate": -1.0}
 
 
 def maybe_initialize_distributed(enabled: bool) -> None:
@@ -54,11 +57,11 @@ def maybe_initialize_distributed(enabled: bool) -> None:
 
 def check_workdir_config(config, workdir: str, fixed: tuple[str, ...] = _FIXED) -> None:
   """Writes the config to `workdir/config.json`; refuses a workdir whose run was made with other
-  `fixed` settings (shapes of parameters or of the data)."""
+  `fixed` settings (shapes of parameters, optimiser state or data)."""
   path = os.path.join(workdir, "config.json")
   current = json.loads(config.to_json())
   if as_path(path).exists():
-    old = read_json(path)
+    old = {**_ADDED, **read_json(path)}
     diff = [k for k in fixed if old.get(k) != current.get(k)]
     if diff:
       raise ValueError(
