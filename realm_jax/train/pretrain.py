@@ -43,7 +43,7 @@ from realm_jax.retrieval.index import latest_index_dir
 # rate adds a partition) or of the data: a workdir keeps its own.
 _FIXED = ("init", "model", "num_layers", "share_embedders", "retriever_learning_rate", "corpus",
           "query_length", "max_masked", "tagger", "heldout_percent")
-# Fixed settings added later, and the value that runs made before them used.
+# Fixed settings added later, and the value that runs (or configs) without them use.
 _ADDED = {"retriever_learning_rate": -1.0}
 
 
@@ -61,8 +61,9 @@ def check_workdir_config(config, workdir: str, fixed: tuple[str, ...] = _FIXED) 
   path = os.path.join(workdir, "config.json")
   current = json.loads(config.to_json())
   if as_path(path).exists():
-    old = {**_ADDED, **read_json(path)}
-    diff = [k for k in fixed if old.get(k) != current.get(k)]
+    old = read_json(path)
+    value = lambda c, k: c.get(k, _ADDED.get(k))
+    diff = [k for k in fixed if value(old, k) != value(current, k)]
     if diff:
       raise ValueError(
           f"{workdir} holds a run made with another config ({', '.join(diff)} differ: "
