@@ -10,6 +10,22 @@ os.environ.setdefault("USE_TF", "0")
 os.environ.setdefault("TRANSFORMERS_NO_TF", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# XLA compilations are most of the suite's time, and many tests (and the runs they start as
+# subprocesses) compile the same programs: share them through jax's persistent cache, one
+# directory per test session.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import tempfile
+  _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+      prefix="realm_jax-xla-cache-")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
+def pytest_sessionfinish(session, exitstatus):
+  del session, exitstatus
+  if _OWN_CACHE is not None:
+    import shutil
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

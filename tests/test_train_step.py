@@ -12,7 +12,7 @@ from conftest import perturbed, random_inputs
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from realm_jax.models import KnowledgeAugEncoder, RealmConfig, RealmRetriever
+from realm_jax.models import BertModel, KnowledgeAugEncoder, RealmConfig, RealmRetriever
 from realm_jax.train.init import _init
 from realm_jax.train.optimizer import bert_adamw, bert_schedule, decay_mask
 from realm_jax.train.realm_step import (RealmModels, TrainState, realm_loss, retriever_logits,
@@ -186,19 +186,28 @@ def test_bert_schedule_and_decay_mask():
                   "LayerNorm": {"scale": False, "bias": False}}
 
 
-def assert_same_loss_and_gradients(cfg_a, cfg_b, dropout_rng):
-  """Same parameters and batch under two model configs: the loss and every gradient agree up to
+def assert_same_bert_outputs_and_gradients(cfg_a, cfg_b, dropout_rng):
+  """One BertModel (every tower of the step is one), same parameters and [B, K, L] inputs under
+  two configs: the sequence and pooled outputs and the gradient of a scalar of both agree up to
   float32 rounding of a differently arranged computation."""
-  batch = make_batch(seed=3)
-  params = make_params(make_models())
+  ids, mask, types = (jnp.asarray(a) for a in random_inputs(np.random.default_rng(3), (8, 4), 20,
+                                                             CFG.vocab_size))
+  params = BertModel(cfg_a, add_pooling_layer=True).init(jax.random.key(0), ids, mask,
+                                                         types)["params"]
+  w = jax.random.normal(jax.random.key(1), (CFG.hidden_size,))
+  rngs = None if dropout_rng is None else {"dropout": dropout_rng}
   out = []
   for cfg in (cfg_a, cfg_b):
-    models = make_models(cfg=cfg)
-    (loss, _), grads = jax.jit(jax.value_and_grad(
-        lambda p: realm_loss(p, batch, models, dropout_rng), has_aux=True))(params)
-    out.append((loss, grads))
-  np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):  # float32 rounding
+    model = BertModel(cfg, add_pooling_layer=True)
+
+    def scalar(p, model=model):
+      seq, pooled = model.apply({"params": p}, ids, mask, types, rngs is None, rngs=rngs)
+      return jnp.sum(jnp.tanh(seq @ w) * mask) + jnp.sum(pooled @ w), (seq, pooled)
+
+    out.append(jax.jit(jax.value_and_grad(scalar, has_aux=True))(params))
+  ((va, outs_a), grads_a), ((vb, outs_b), grads_b) = out
+  np.testing.assert_allclose(va, vb, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves((outs_a, grads_a)), jax.tree.leaves((outs_b, grads_b))):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()) + 1e-9)
 
 
@@ -213,18 +222,18 @@ def test_num_chunks_by_hand():
 
 
 def test_chunked_bert_calls_change_no_number():
-  """config.chunk_tokens runs each BERT call in interleaved chunks of rows: the loss and every
+  """config.chunk_tokens runs each BERT call in interleaved chunks of rows: the outputs and every
   gradient equal the unchunked model's."""
-  # 200 tokens: query 1, candidate 2 and joint 4 chunks
-  assert_same_loss_and_gradients(CFG, CFG.replace(chunk_tokens=200), dropout_rng=None)
+  assert_same_bert_outputs_and_gradients(CFG, CFG.replace(chunk_tokens=200),  # 640 tokens: 4 chunks
+                                         dropout_rng=None)
 
 
 def test_layer_recomputation_changes_no_number():
-  """config.remat recomputes each layer in the backward pass: loss and every gradient equal the
-  plain model's (same parameters, same dropout) up to float32 rounding of a differently fused
+  """config.remat recomputes each layer in the backward pass: the outputs and every gradient equal
+  the plain model's (same parameters, same dropout) up to float32 rounding of a differently fused
   computation."""
-  assert_same_loss_and_gradients(CFG.replace(remat=False), CFG.replace(remat=True),
-                                 dropout_rng=jax.random.key(7))
+  assert_same_bert_outputs_and_gradients(CFG.replace(remat=False), CFG.replace(remat=True),
+                                         dropout_rng=jax.random.key(7))
 
 
 def test_memory_estimate_against_xla():
@@ -278,7 +287,6 @@ def test_a_new_mlm_head_can_start_from_the_identity(tmp_path):
   from realm_jax.checkpoints import save_hf_checkpoint
   from realm_jax.checkpoints.hf import abstract_params
   from realm_jax.configs.pretrain import get_config
-  from realm_jax.models import BertModel
   from realm_jax.text import BertTokenizer
   from realm_jax.train.init import build_models, init_params
   config = get_config("tiny")
