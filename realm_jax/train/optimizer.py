@@ -45,9 +45,14 @@ def adamw_with(schedule: optax.Schedule, weight_decay: float = 0.01, eps: float 
                b1: float = 0.9, b2: float = 0.999,
                clip_norm: float = 1.0) -> optax.GradientTransformation:
   """BERT's AdamW (decay mask, eps 1e-6, global-norm clip) with any learning-rate schedule."""
-  return optax.chain(
-      optax.clip_by_global_norm(clip_norm),
-      optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
+  return optax.chain(optax.clip_by_global_norm(clip_norm),
+                     _adamw(schedule, weight_decay, eps, b1, b2))
+
+
+def _adamw(schedule: optax.Schedule, weight_decay: float = 0.01, eps: float = 1e-6,
+           b1: float = 0.9, b2: float = 0.999) -> optax.GradientTransformation:
+  """BERT's AdamW update without the clip (eps 1e-6, no decay on biases and LayerNorm)."""
+  return optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
 
 
 def delayed_schedule(learning_rate: float, total_steps: int, start: int,
@@ -78,10 +83,9 @@ def from_config(config) -> tuple[optax.Schedule, optax.GradientTransformation]:
   if retriever_lr < 0:
     return schedule, bert_adamw(config.learning_rate, config.num_steps, warmup,
                                 config.weight_decay, clip_norm=config.clip_norm)
-  adamw = lambda s: optax.adamw(s, b1=0.9, b2=0.999, eps=1e-6, weight_decay=config.weight_decay,
-                                mask=decay_mask)
-  parts = {"retriever": adamw(bert_schedule(retriever_lr, config.num_steps, warmup)),
-           "rest": adamw(schedule)}
+  parts = {"retriever": _adamw(bert_schedule(retriever_lr, config.num_steps, warmup),
+                              config.weight_decay),
+           "rest": _adamw(schedule, config.weight_decay)}
   label = lambda params: {k: ("retriever" if k == "retriever" else "rest") for k in params}
   return schedule, optax.chain(optax.clip_by_global_norm(config.clip_norm),
                                optax.multi_transform(parts, label))
