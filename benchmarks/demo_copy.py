@@ -21,12 +21,8 @@ import shutil
 import tempfile
 import time
 
-import jax
-import numpy as np
-
 from realm_jax.configs.pretrain import get_config
 from realm_jax.train.pretrain import Trainer
-from realm_jax.train.realm_step import summarize
 
 
 def main():
@@ -55,14 +51,10 @@ def main():
     def own_block(queries):
       return t._global(t.builder.build(queries, t.corpus.rows_of(queries["block_id"])[:, None]))
 
+    t.step_batch = own_block  # the trainer's own evaluation, with the own block as the retrieval
+
     def evaluate():
-      sums = None
-      for i, queries in enumerate(t._batches("heldout", seed=0, num_epochs=1)):
-        if i >= config.eval_batches:
-          break
-        out = jax.device_get(t.eval_fn(t.state.params, own_block(queries)))
-        sums = out if sums is None else jax.tree.map(np.add, sums, out)
-      m = summarize(sums)
+      m = t.evaluate()
       return {k: round(m[k], 4) for k in ("loss", "accuracy", "null_accuracy",
                                           "retrieval_utility")}
 
@@ -70,7 +62,7 @@ def main():
           f"{args.steps} steps of {config.batch_size}")
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
-      t.state, _ = t.step_fn(t.state, own_block(next(t.train_iter)), t.rng)
+      t.state, _ = t.step_fn(t.state, t.step_batch(next(t.train_iter)), t.rng)
       if step % args.eval_every == 0 or step == args.steps:
         print(f"step {step} ({time.perf_counter() - start:.0f} s) held-out:",
               json.dumps(evaluate()), flush=True)

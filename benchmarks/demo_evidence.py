@@ -8,9 +8,9 @@ For each training example (every `--every`-th, one span masked as in training) t
 is built with all-MiniLM-L6-v2 cut to each of `--layers` layers, the K - 1 nearest blocks are
 retrieved with the example's own block excluded, and `CandidateBuilder` lays out the encoder's
 inputs; its `span_found` says whether the masked word pieces occur in a retrieved body as the
-encoder sees it. Printed for each depth, with the queries' [MASK] tokens in the mean pooling
-(as in training) and left out of it. Also: the share of masked spans that occur anywhere in the
-corpus outside their own block (the most any retriever could give).
+encoder sees it. Printed for each depth, with the queries' [MASK] tokens seen by the query tower
+(REALM) and hidden from it (`config.query_hides_mask`). Also: the share of masked spans that
+occur anywhere in the corpus outside their own block (the most any retriever could give).
 """
 
 import argparse
@@ -23,7 +23,7 @@ import numpy as np
 
 from realm_jax.configs.pretrain import get_config
 from realm_jax.data.pretrain import MaskOneSpan, special_ids
-from realm_jax.models import RealmEmbedder
+from realm_jax.models import RealmRetriever
 from realm_jax.retrieval.build import open_corpus
 from realm_jax.retrieval.embed import embed_in_buckets
 from realm_jax.retrieval.index import DocIndex
@@ -31,16 +31,20 @@ from realm_jax.retrieval.towers import load_tower
 from realm_jax.train.candidates import CandidateBuilder, masked_span
 
 
-def cut_tower(tower, layers: int):
-  """A jitted batch -> [B, D] function of the first `layers` layers of a mean-pooled tower."""
+def cut_towers(tower, layers: int, query_ignore_id: int):
+  """Jitted batch -> [B, D] functions (queries, documents) of the pre-training retriever made of the
+  first `layers` layers of a mean-pooled tower; `query_ignore_id` as `query_hides_mask` sets it."""
   config = tower.module.config
   if not 1 <= layers <= config.num_hidden_layers:
     raise ValueError(f"--layers {layers}: the weights have 1 to {config.num_hidden_layers}.")
-  module = RealmEmbedder(config.replace(num_hidden_layers=layers), pooling="mean", normalize=True)
+  module = RealmRetriever(config.replace(num_hidden_layers=layers), pooling="mean",
+                          normalize=True, query_ignore_id=query_ignore_id)
   realm = dict(tower.params["realm"])
   realm["encoder"] = {f"layer_{i}": realm["encoder"][f"layer_{i}"] for i in range(layers)}
-  return jax.jit(lambda b: module.apply({"params": {"realm": realm}}, b["input_ids"],
-                                        b["attention_mask"], b["token_type_ids"]))
+  params = {"params": {"embedder": {"realm": realm}}}
+  embed = lambda method: jax.jit(lambda b: module.apply(
+      params, b["input_ids"], b["attention_mask"], b["token_type_ids"], method=method))
+  return embed("embed_queries"), embed("embed_documents")
 
 
 def occurs_elsewhere(corpus, queries) -> float:
@@ -89,16 +93,16 @@ def main():
   print(f"{len(examples)} training examples of {found[-1]}, {len(corpus)} blocks, "
         f"K - 1 = {config.num_candidates - 1} retrieved")
   print(f"masked span in some other block's body: {occurs_elsewhere(corpus, queries):.3f}")
-  print("| retriever layers | [MASK] in query pooling | span in a retrieved body |")
+  print("| retriever layers | [MASK] seen by the query tower | span in a retrieved body |")
   print("| --- | --- | --- |")
+  q = {k: queries[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
   for layers in args.layers:
-    fn = cut_tower(tower, layers)
-    index = DocIndex(embed_in_buckets(fn, docs, 64, desc=f"{layers} layers"), corpus.block_ids)
+    _, embed_docs = cut_towers(tower, layers, -1)
+    index = DocIndex(embed_in_buckets(embed_docs, docs, 64, desc=f"{layers} layers"),
+                     corpus.block_ids)
     for with_mask in (True, False):
-      q = {k: queries[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
-      if not with_mask:
-        q["attention_mask"] = q["attention_mask"] * (q["input_ids"] != tok.mask_id)
-      emb = np.asarray(fn(q))
+      embed_queries, _ = cut_towers(tower, layers, -1 if with_mask else tok.mask_id)
+      emb = np.asarray(embed_queries(q))
       _, ids = index.search(emb, config.num_candidates - 1, exclude_ids=queries["block_id"])
       rows = corpus.rows_of(np.asarray(ids))
       hit = builder.build(queries, rows)["span_found"].mean()
