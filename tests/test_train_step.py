@@ -16,7 +16,7 @@ from realm_jax.models import BertModel, KnowledgeAugEncoder, RealmConfig, RealmR
 from realm_jax.train.init import _init
 from realm_jax.train.optimizer import bert_adamw, bert_schedule, decay_mask
 from realm_jax.train.realm_step import (RealmModels, TrainState, realm_loss, retriever_logits,
-                                        train_step)
+                                        summarize, train_step)
 
 CFG = RealmConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                   intermediate_size=37, max_position_embeddings=64, retriever_proj_size=16)
@@ -138,7 +138,9 @@ def test_retriever_gradients_match_finite_differences():
 
 def test_loss_matches_hf_scorer_and_encoder():
   """realm_loss on a batch == HF RealmScorer relevance -> HF RealmKnowledgeAugEncoder loss, with
-  the same (perturbed) weights, candidates and masked tokens."""
+  the same (perturbed) weights, candidates and masked tokens; and its metrics (accuracy with
+  retrieval and with the null document only, retrieval utility, the same on the examples whose
+  span was retrieved) == numpy on HF's relevance scores and MLM logits."""
   torch = pytest.importorskip("torch")
   realm_hf = pytest.importorskip("transformers.models.deprecated.realm.modeling_realm")
   from conftest import hf_realm_config
@@ -153,6 +155,7 @@ def test_loss_matches_hf_scorer_and_encoder():
   models = RealmModels(RealmRetriever(cfg), KnowledgeAugEncoder(cfg))
   batch = make_batch(seed=4, b=3, k=4)
   batch["candidate_mask"][:] = 1  # HF has no notion of a missing candidate
+  batch["span_found"] = np.array([1.0, 0.0, 1.0], np.float32)
   ours, _ = realm_loss(params, batch, models)
 
   t = lambda x: torch.as_tensor(np.asarray(x, np.int64))
@@ -168,11 +171,46 @@ def test_loss_matches_hf_scorer_and_encoder():
                  token_type_ids=t(q["token_type_ids"]), candidate_input_ids=t(c["input_ids"]),
                  candidate_attention_mask=t(c["attention_mask"]),
                  candidate_token_type_ids=t(c["token_type_ids"])).relevance_score
-    want = encoder(t(j["input_ids"]).view(b * k, le), attention_mask=t(j["attention_mask"]).view(b * k, le),
-                   token_type_ids=t(j["token_type_ids"]).view(b * k, le), relevance_score=rel,
-                   labels=t(labels), mlm_mask=t(labels != -100)).loss.item()
-  np.testing.assert_allclose(float(ours), want, atol=1e-5, rtol=0)
+    out = encoder(t(j["input_ids"]).view(b * k, le), attention_mask=t(j["attention_mask"]).view(b * k, le),
+                  token_type_ids=t(j["token_type_ids"]).view(b * k, le), relevance_score=rel,
+                  labels=t(labels), mlm_mask=t(labels != -100))
+  np.testing.assert_allclose(float(ours), out.loss.item(), atol=1e-5, rtol=0)
   np.testing.assert_allclose(retriever_logits(params, batch, models), rel.numpy(), atol=1e-5)
+
+  # The metrics, from HF's numbers with numpy.
+  log_softmax = lambda x, axis: x - np.log(np.exp(x - x.max(axis, keepdims=True)).sum(
+      axis, keepdims=True)) - x.max(axis, keepdims=True)
+  retr_logp = log_softmax(rel.numpy().astype(np.float64), 1)                       # [b, k]
+  logits = out.logits.numpy().astype(np.float64).reshape(b, k, le, -1)
+  at = np.take_along_axis(logits, batch["mlm_positions"][:, None, :, None], 2)   # [b, k, m, V]
+  vocab_logp = log_softmax(at, 3)
+  joint = retr_logp[:, :, None, None] + vocab_logp
+  marginal = np.log(np.exp(joint - joint.max(1, keepdims=True)).sum(1)) + joint.max(1)  # [b, m, V]
+  # Targets (which do not change the logits) that each prediction gets right somewhere: the
+  # marginal's argmax at the first masked position, the null document's at the second.
+  y = batch["mlm_targets"].copy()
+  y[:, 0], y[:, 1] = marginal[:, 0].argmax(-1), vocab_logp[:, 0, 1].argmax(-1)
+  w = batch["mlm_weights"]
+  pick = lambda lp: np.take_along_axis(lp, y[..., None], -1)[..., 0]
+  correct, null_correct = marginal.argmax(-1) == y, vocab_logp[:, 0].argmax(-1) == y
+  assert 0 < (correct * w).sum() < w.sum() and 0 < (null_correct * w).sum() < w.sum()
+  utility = pick(marginal) - pick(vocab_logp[:, 0])
+  batch["mlm_targets"] = y
+  got = summarize(jax.device_get(realm_loss(params, batch, models)[1]))
+  fw = w * batch["span_found"][:, None]
+  want = {"loss": -(pick(marginal) * w).sum() / w.sum(),
+          "accuracy": (correct * w).sum() / w.sum(),
+          "null_accuracy": (null_correct * w).sum() / w.sum(),
+          "retrieval_utility": (utility * w).sum() / w.sum(),
+          "span_in_candidates": 2 / 3,
+          "found_accuracy": (correct * fw).sum() / fw.sum(),
+          "found_null_accuracy": (null_correct * fw).sum() / fw.sum(),
+          "found_retrieval_utility": (utility * fw).sum() / fw.sum()}
+  for key, value in want.items():
+    np.testing.assert_allclose(got[key], value, atol=1e-5, rtol=0, err_msg=key)
+  # Without any example whose span was retrieved there is nothing to report on them.
+  batch["span_found"][:] = 0
+  assert not any(k.startswith("found_") for k in summarize(realm_loss(params, batch, models)[1]))
 
 
 def test_bert_schedule_and_decay_mask():

@@ -1,7 +1,7 @@
 """REALM pre-training (experiments/pretrain.py).
 
 Variants (`--config=realm_jax/configs/pretrain.py:<variant>`):
-  demo   the embedded corpus (first 2,000 articles as blocks of <= 128 word pieces), both models
+  demo   the embedded corpus (first 2,000 articles as blocks of <= 64 word pieces), both models
          from the installed all-MiniLM-L6-v2, K = 4, on 2 CPU cores in under 10 minutes:
            python experiments/pretrain.py --flagfile=experiments/flags/pretrain_demo.flags
   tiny   random 2-layer models over 40 articles, for tests (seconds).
@@ -88,6 +88,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   if arg == "demo":
     c.num_layers = 2
     c.dropout = False
+    c.chunk_tokens = 1024       # XLA:CPU: BERT calls in cache-sized pieces (~5% faster steps)
     c.corpus.max_docs = 2000
     c.corpus.block_length = 64
     c.score_scale = 20.0

@@ -9,7 +9,9 @@ from realm_jax.io_utils import as_path, atomic_write, iter_jsonl
 PANELS = (("loss", "marginal MLM loss"), ("accuracy", "masked-token accuracy"),
           ("retrieval_utility", "retrieval utility (nats/token)"),
           ("retrieval_entropy", "entropy of p(z|x)"),
-          ("span_in_candidates", "masked span in a retrieved block"))
+          ("span_in_candidates", "masked span in a retrieved block"),
+          ("found_accuracy", "accuracy where the span was retrieved"))
+NULL_OF = {"accuracy": "null_accuracy", "found_accuracy": "found_null_accuracy"}
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -21,8 +23,8 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def plot_metrics(workdir: str, out_png: str | None = None) -> str:
-  """Plots train (thin) and held-out (dots) curves of `workdir/metrics.jsonl`; the accuracy panel
-  also shows the null-document-only accuracy. Returns the PNG's path."""
+  """Plots train (thin) and held-out (dots) curves of `workdir/metrics.jsonl`; the accuracy panels
+  also show the null-document-only accuracy. Returns the PNG's path."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -37,8 +39,9 @@ def plot_metrics(workdir: str, out_png: str | None = None) -> str:
       pts = sorted((s, r[key]) for (sp, s), r in last.items() if sp == split and key in r)
       if pts:
         ax.plot(*zip(*pts), label=split, **style)
-      if key == "accuracy":
-        null = sorted((s, r["null_accuracy"]) for (sp, s), r in last.items() if sp == split)
+      if key in NULL_OF:
+        null = sorted((s, r[NULL_OF[key]]) for (sp, s), r in last.items()
+                      if sp == split and NULL_OF[key] in r)
         if null:
           ax.plot(*zip(*null), ls="--", label=f"{split}, null document only", **style)
     if key == "retrieval_utility":

@@ -98,12 +98,27 @@ def _statistics(mlm_logits, batch, weights, aux) -> dict[str, Array]:
       "examples": jnp.asarray(targets.shape[0], jnp.float32),
   }
   if "span_found" in batch:  # laid out on the host by CandidateBuilder
-    stats["span_found"] = jnp.sum(batch["span_found"].astype(jnp.float32))
+    found = batch["span_found"].astype(jnp.float32)                            # [B]
+    found_weights = weights * found[:, None]
+    stats.update({
+        "span_found": jnp.sum(found),
+        # The same statistics on the examples whose masked span is in a retrieved block: where
+        # the evidence is there to copy.
+        "found_tokens": jnp.sum(found_weights),
+        "found_correct": jnp.sum(correct * found_weights),
+        "found_null_correct": jnp.sum(null_correct * found_weights),
+        "found_utility_sum": jnp.sum(utility * found_weights),
+    })
   return stats
 
 
 def summarize(sums: dict) -> dict[str, float]:
-  """Averages from summed statistics (one step's, or several added together)."""
+  """Averages from summed statistics (one step's, or several added together).
+
+  With `span_found` in the batches also `span_in_candidates` (the fraction of examples whose
+  masked span occurs in a retrieved block) and, over those examples' masked tokens,
+  `found_accuracy`, `found_null_accuracy` and `found_retrieval_utility`.
+  """
   tokens, examples = max(float(sums["tokens"]), 1.0), max(float(sums["examples"]), 1.0)
   out = {
       "loss": float(sums["loss_sum"]) / tokens,
@@ -115,6 +130,11 @@ def summarize(sums: dict) -> dict[str, float]:
   }
   if "span_found" in sums:
     out["span_in_candidates"] = float(sums["span_found"]) / examples
+  if float(sums.get("found_tokens", 0.0)) > 0:  # none in this window: no such metrics
+    found = float(sums["found_tokens"])
+    out["found_accuracy"] = float(sums["found_correct"]) / found
+    out["found_null_accuracy"] = float(sums["found_null_correct"]) / found
+    out["found_retrieval_utility"] = float(sums["found_utility_sum"]) / found
   for k in ("grad_norm", "learning_rate", "skipped"):
     if k in sums:
       out[k] = float(sums[k])
