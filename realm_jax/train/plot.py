@@ -33,8 +33,12 @@ def plot_metrics(workdir: str, out_png: str | None = None) -> str:
   # A resumed run appends: keep the last record of each (split, step).
   last = {(r["split"], r["step"]): r for r in rows}
   panels = [(k, t) for k, t in PANELS if any(k in r for r in last.values())]  # older runs: fewer
-  fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
-  for ax, (key, title) in zip(axes, panels):
+  cols = min(3, len(panels))
+  rows_ = -(-len(panels) // cols)
+  fig, axes = plt.subplots(rows_, cols, figsize=(4.2 * cols, 3.4 * rows_), squeeze=False)
+  for ax in axes.flat[len(panels):]:
+    ax.remove()
+  for ax, (key, title) in zip(axes.flat, panels):
     for split, style in (("train", dict(lw=1, alpha=0.8)), ("heldout", dict(marker="o", lw=2))):
       pts = sorted((s, r[key]) for (sp, s), r in last.items() if sp == split and key in r)
       if pts:
