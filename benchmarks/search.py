@@ -4,6 +4,7 @@
   python benchmarks/search.py --n=100000 --queries=200  # quick
   python benchmarks/search.py --embeddings=work/wiki_vital_minilm/index/index-00000000 \
       --questions=../shared/data/nq_open/NQ-open.dev.jsonl   # the real corpus, real questions
+  python benchmarks/search.py ... --scann_trees=100:10,100:30   # also ScaNN with these trees
 
 Each method indexes the same [N, D] float32 vectors and answers the same queries for the top
 `--k`; recall@k is measured against numpy brute force (float32 matmul + argpartition). Every
@@ -78,7 +79,17 @@ def main():
   p.add_argument("--repeats", type=int, default=3, help="timed runs per method (best is kept)")
   p.add_argument("--query_batch_size", type=int, default=256, help="queries per device call")
   p.add_argument("--skip", default="", help="comma-separated methods to leave out, e.g. scann")
+  p.add_argument("--scann_trees", default="",
+                 help="more ScaNN rows, comma-separated LEAVES:SEARCHED tree settings (e.g. "
+                      "100:10,100:30); the library's default is always measured")
   args = p.parse_args()
+  try:
+    trees = [tuple(int(x) for x in t.split(":")) for t in filter(None, args.scann_trees.split(","))]
+    if any(len(t) != 2 or not 1 <= t[1] <= t[0] for t in trees):
+      raise ValueError
+  except ValueError:
+    p.error(f"--scann_trees={args.scann_trees!r}: give LEAVES:SEARCHED pairs with "
+            "1 <= SEARCHED <= LEAVES, e.g. 100:10,100:30.")
 
   import jax
 
@@ -99,6 +110,9 @@ def main():
       "approx float32 (recall_target 0.95)": dict(searcher="approx"),
       "scann + exact re-scoring": dict(searcher="scann"),
   }
+  for leaves, searched in trees:
+    methods[f"scann + exact re-scoring, tree {leaves}:{searched}"] = dict(
+        searcher="scann", num_leaves=leaves, num_leaves_to_search=searched)
   skip = set(filter(None, args.skip.split(",")))
   for name, options in methods.items():
     if options["searcher"] in skip:
@@ -114,6 +128,7 @@ def main():
       settings = index.scann_settings
       tree = (f"{settings['num_leaves']} leaves, {settings['num_leaves_to_search']} searched"
               if settings["num_leaves"] > 1 else "no tree")
+      name = "scann + exact re-scoring"
       name += f" ({tree}, {settings['reorder_num_neighbors']} re-ordered)"
     rows.append((f"realm_jax {name}", build, seconds, recall))
     del index
