@@ -34,8 +34,8 @@ def plot_metrics(workdir: str, out_png: str | None = None) -> str:
   last = {(r["split"], r["step"]): r for r in rows}
   panels = [(k, t) for k, t in PANELS if any(k in r for r in last.values())]  # older runs: fewer
   cols = min(3, len(panels))
-  rows_ = -(-len(panels) // cols)
-  fig, axes = plt.subplots(rows_, cols, figsize=(4.2 * cols, 3.4 * rows_), squeeze=False)
+  n_rows = -(-len(panels) // cols)
+  fig, axes = plt.subplots(n_rows, cols, figsize=(4.2 * cols, 3.4 * n_rows), squeeze=False)
   for ax in axes.flat[len(panels):]:
     ax.remove()
   for ax, (key, title) in zip(axes.flat, panels):
