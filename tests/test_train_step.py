@@ -139,8 +139,9 @@ def test_retriever_gradients_match_finite_differences():
 def test_loss_matches_hf_scorer_and_encoder():
   """realm_loss on a batch == HF RealmScorer relevance -> HF RealmKnowledgeAugEncoder loss, with
   the same (perturbed) weights, candidates and masked tokens; and its metrics (accuracy with
-  retrieval and with the null document only, retrieval utility, the same on the examples whose
-  span was retrieved) == numpy on HF's relevance scores and MLM logits."""
+  retrieval and with the null document only, retrieval utility and the standard errors over
+  examples, the same on the examples whose span was retrieved) == numpy on HF's relevance scores
+  and MLM logits."""
   torch = pytest.importorskip("torch")
   realm_hf = pytest.importorskip("transformers.models.deprecated.realm.modeling_realm")
   from conftest import hf_realm_config
@@ -206,6 +207,14 @@ def test_loss_matches_hf_scorer_and_encoder():
           "found_accuracy": (correct * fw).sum() / fw.sum(),
           "found_null_accuracy": (null_correct * fw).sum() / fw.sum(),
           "found_retrieval_utility": (utility * fw).sum() / fw.sum()}
+  # Standard errors over examples, by the delta method for a ratio of sums (E / (E - 1)).
+  n_e = w.sum(1)
+  for key, per_token in (("retrieval_utility_se", utility), ("accuracy_gain_se",
+                                                              correct * 1.0 - null_correct)):
+    x_e = (per_token * w).sum(1)
+    resid = x_e - x_e.sum() / n_e.sum() * n_e
+    want[key] = np.sqrt((resid ** 2).sum() * b / (b - 1)) / n_e.sum()
+    assert want[key] > 1e-3, key
   for key, value in want.items():
     np.testing.assert_allclose(got[key], value, atol=1e-5, rtol=0, err_msg=key)
   # Without any example whose span was retrieved there is nothing to report on them.

@@ -24,7 +24,8 @@ def read_metrics(path: str) -> list[dict]:
 
 def plot_metrics(workdir: str, out_png: str | None = None) -> str:
   """Plots train (thin) and held-out (dots) curves of `workdir/metrics.jsonl`; the accuracy panels
-  also show the null-document-only accuracy. Returns the PNG's path."""
+  also show the null-document-only accuracy, the utility panel the held-out standard errors.
+  Returns the PNG's path."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -41,7 +42,10 @@ def plot_metrics(workdir: str, out_png: str | None = None) -> str:
   for ax, (key, title) in zip(axes.flat, panels):
     for split, style in (("train", dict(lw=1, alpha=0.8)), ("heldout", dict(marker="o", lw=2))):
       pts = sorted((s, r[key]) for (sp, s), r in last.items() if sp == split and key in r)
-      if pts:
+      se = [last[split, s].get(f"{key}_se") for s, _ in pts]
+      if pts and split == "heldout" and all(e is not None for e in se):
+        ax.errorbar(*zip(*pts), yerr=se, capsize=3, label=f"{split} (+- standard error)", **style)
+      elif pts:
         ax.plot(*zip(*pts), label=split, **style)
       if key in NULL_OF:
         null = sorted((s, r[NULL_OF[key]]) for (sp, s), r in last.items()

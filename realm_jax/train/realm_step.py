@@ -15,6 +15,7 @@ A batch (numpy on the host, sharded along B on device):
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +98,14 @@ def _statistics(mlm_logits, batch, weights, aux) -> dict[str, Array]:
       "null_prob_sum": jnp.sum(p[:, 0]),
       "examples": jnp.asarray(targets.shape[0], jnp.float32),
   }
+  # Per-example sums, for standard errors over examples (a sentence's masked tokens are not
+  # independent of each other): utility and accuracy gain over the null document.
+  n_e = jnp.sum(weights, -1)                                                   # [B]
+  for name, per_token in (("utility", utility), ("gain", correct - null_correct)):
+    x_e = jnp.sum(per_token * weights, -1)
+    stats[f"{name}_sq"] = jnp.sum(x_e * x_e)
+    stats[f"{name}_x_tokens"] = jnp.sum(x_e * n_e)
+  stats["tokens_sq"] = jnp.sum(n_e * n_e)
   if "span_found" in batch:  # laid out on the host by CandidateBuilder
     found = batch["span_found"].astype(jnp.float32)                            # [B]
     found_weights = weights * found[:, None]
@@ -115,9 +124,12 @@ def _statistics(mlm_logits, batch, weights, aux) -> dict[str, Array]:
 def summarize(sums: dict) -> dict[str, float]:
   """Averages from summed statistics (one step's, or several added together).
 
-  With `span_found` in the batches also `span_in_candidates` (the fraction of examples whose
-  masked span occurs in a retrieved block) and, over those examples' masked tokens,
-  `found_accuracy`, `found_null_accuracy` and `found_retrieval_utility`.
+  `retrieval_utility_se` and `accuracy_gain_se` are the standard errors of the retrieval utility
+  and of accuracy minus null accuracy, over examples (per-token averages are ratios of sums over
+  examples: the delta method, with E / (E - 1) for E examples). With `span_found` in the batches
+  also `span_in_candidates` (the fraction of examples whose masked span occurs in a retrieved
+  block) and, over those examples' masked tokens, `found_accuracy`, `found_null_accuracy` and
+  `found_retrieval_utility`.
   """
   tokens, examples = max(float(sums["tokens"]), 1.0), max(float(sums["examples"]), 1.0)
   out = {
@@ -128,6 +140,11 @@ def summarize(sums: dict) -> dict[str, float]:
       "retrieval_entropy": float(sums["entropy_sum"]) / examples,
       "null_doc_prob": float(sums["null_prob_sum"]) / examples,
   }
+  if "tokens_sq" in sums and float(sums["tokens"]) > 0 and float(sums["examples"]) >= 2:
+    out["retrieval_utility_se"] = _ratio_se(sums["utility_sum"], sums["utility_sq"],
+                                            sums["utility_x_tokens"], sums)
+    out["accuracy_gain_se"] = _ratio_se(float(sums["correct"]) - float(sums["null_correct"]),
+                                        sums["gain_sq"], sums["gain_x_tokens"], sums)
   if "span_found" in sums:
     out["span_in_candidates"] = float(sums["span_found"]) / examples
   if float(sums.get("found_tokens", 0.0)) > 0:  # none in this window: no such metrics
@@ -139,6 +156,15 @@ def summarize(sums: dict) -> dict[str, float]:
     if k in sums:
       out[k] = float(sums[k])
   return out
+
+
+def _ratio_se(total, sq, x_tokens, sums) -> float:
+  """Standard error of the per-token mean total / tokens, from per-example sums x_e (sum of x_e^2,
+  of x_e n_e) and token counts n_e: sqrt(E / (E - 1) * sum (x_e - r n_e)^2) / sum n_e."""
+  tokens, examples = float(sums["tokens"]), float(sums["examples"])  # > 0 and >= 2
+  r = float(total) / tokens
+  spread = float(sq) - 2 * r * float(x_tokens) + r * r * float(sums["tokens_sq"])
+  return math.sqrt(max(spread, 0.0) * examples / (examples - 1)) / tokens
 
 
 def train_step(state: TrainState, batch: dict, rng: Array, *,
