@@ -152,6 +152,35 @@ def test_interrupted_index_write_is_never_loaded(tmp_path, data_dir, uninterrupt
   assert latest_index_dir(root) == complete
 
 
+def test_refresher_reads_a_checkpoint_saved_on_other_devices(tmp_path):
+  """The refresher runs on other devices than the trainer (its own VM, or one GPU beside it): a
+  checkpoint sharded over 2 devices reads in a process that has only one."""
+  import jax
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  from realm_jax.train import checkpoints
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  rng = np.random.default_rng(0)
+  retriever = {"w": rng.standard_normal((4, 6)).astype(np.float32)}
+  state = {"params": {"retriever": jax.device_put(retriever, NamedSharding(mesh, P("data"))),
+                      "encoder": jax.device_put({"w": np.ones(3, np.float32)},
+                                                NamedSharding(mesh, P()))},
+           "step": jax.device_put(np.int32(5), NamedSharding(mesh, P()))}
+  manager = checkpoints.checkpoint_manager(str(tmp_path), data=False)
+  checkpoints.save(manager, 5, state, {"step": 5})
+  manager.wait_until_finished()
+  code = ("import json, jax; from realm_jax.train.refresher import read_retriever_params; "
+          f"w = read_retriever_params({str(tmp_path)!r}, 5)['w']; "
+          "print(jax.device_count(), json.dumps(w.tolist()))")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  devices, values = out.stdout.strip().splitlines()[-1].split(" ", 1)
+  assert devices == "1"
+  np.testing.assert_array_equal(np.array(json.loads(values), np.float32), retriever["w"])
+
+
 def test_refresher_killed_midway_then_trainer_picks_up_complete_indexes(tmp_path, data_dir,
                                                                          uninterrupted):
   """The real thing: kill the refresher process at a random moment, check no partial index is

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 
+import jax
 import orbax.checkpoint as ocp
 
 from realm_jax.io_utils import absolute, as_path
@@ -23,11 +24,21 @@ from realm_jax.train.refresh import DocumentEmbedder, index_step, refresh
 
 
 def read_retriever_params(checkpoint_dir: str, step: int) -> dict:
-  """The retriever parameters of checkpoint `step` (host numpy), without the rest of the state."""
+  """The retriever parameters of checkpoint `step` (host numpy).
+
+  The refresher usually sees other devices than the trainer that saved the checkpoint (its own
+  VM, or one GPU beside a trainer on all the others), so the state is restored onto this
+  process's first device, not into the shardings it was saved with.
+  """
   path = os.path.join(absolute(checkpoint_dir), str(step), "state")
-  restored = ocp.StandardCheckpointer().restore(path)
+  checkpointer = ocp.StandardCheckpointer()
+  tree = checkpointer.metadata(path).item_metadata
+  tree = getattr(tree, "tree", tree)
+  here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), tree)
+  restored = checkpointer.restore(path, target)
   try:
-    return restored["params"]["retriever"]
+    return jax.device_get(restored["params"]["retriever"])
   except (KeyError, TypeError) as e:
     raise ValueError(f"{path} holds no params/retriever: not a pre-training checkpoint.") from e
 
