@@ -69,11 +69,17 @@ def test_block_id_is_stable_and_positive():
   assert a != block_id("Paris ", "Paris is big.") and a != block_id("Paris", "Paris is big!")
 
 
+def corpus_block(corpus, row):
+  ex = corpus[row]
+  return list(ex["title_token_ids"]), list(ex["token_ids"])
+
+
 def test_corpus_builds_and_gives_random_access(tmp_path, vocab_file):
   docs = [{"title": "Paris", "text": "Paris is the capital of France. It has a river."},
           {"title": "Berlin", "text": "Berlin is the capital of Germany."},
           {"title": "Paris", "text": "Paris is the capital of France. It has a river."},  # duplicate
-          {"text": "Lyon is the second city of France."}]
+          {"text": "Lyon is the second city of France."},
+          {"title": "", "text": "\ufeff\u200b"}]  # no word pieces: no block
   path = write_jsonl(tmp_path / "docs.jsonl", docs)
   config = CorpusConfig(source="jsonl", paths=(path,), vocab_file=vocab_file, block_length=288)
   corpus = Corpus.build(str(tmp_path / "data"), config)
@@ -90,8 +96,18 @@ def test_corpus_builds_and_gives_random_access(tmp_path, vocab_file):
       "Berlin is the capital of Germany.") + [tok.sep_id]
   assert list(inputs["input_ids"][0][:len(want)]) == want
   assert list(inputs["token_type_ids"][0][:len(want)]) == [0, 0, 0] + [1] * (len(want) - 3)
-  # An untitled block is [CLS] body [SEP].
-  assert inputs["input_ids"][1][0] == tok.cls_id and inputs["input_ids"][1][1] == tok.encode("Lyon")[0]
+  # An untitled block is [CLS] [SEP] body [SEP], the body in segment 1: the layout the
+  # pre-training step gives the document tower, so that the index scores what the step scores.
+  lyon = tok.encode("Lyon is the second city of France.")
+  want = [tok.cls_id, tok.sep_id] + lyon + [tok.sep_id]
+  assert list(inputs["input_ids"][1][:len(want)]) == want
+  assert list(inputs["token_type_ids"][1][:len(want)]) == [0, 0] + [1] * (len(want) - 2)
+  from realm_jax.train.candidates import CandidateBuilder
+  assert CandidateBuilder(corpus, tok.cls_id, tok.sep_id, 2, 16, 32)._doc(*corpus_block(
+      corpus, 2)) == (want, [0, 0] + [1] * (len(want) - 2))
+  # ... and its body is cut to fit, like a titled block's.
+  short = corpus.model_inputs([2], 6, tok)
+  assert list(short["input_ids"][0]) == [tok.cls_id, tok.sep_id] + lyon[:3] + [tok.sep_id]
   # Opening it again reuses the built dataset and the stored ids.
   again = Corpus.build(str(tmp_path / "data"), config)
   np.testing.assert_array_equal(again.block_ids, corpus.block_ids)

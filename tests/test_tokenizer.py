@@ -53,6 +53,10 @@ def test_bad_input_errors(vocab_file, tmp_path):
   tok = BertTokenizer(vocab_file)
   with pytest.raises(ValueError, match="Empty first segment"):
     join_bert(tok.encode("   "), None, 8, tok.cls_id, tok.sep_id)
+  with pytest.raises(ValueError, match="Empty first segment"):
+    join_bert([], [], 8, tok.cls_id, tok.sep_id)
+  # An empty first segment before a second is a block without a title: [CLS] [SEP] b [SEP].
+  np.testing.assert_array_equal(join_bert([], [7, 8], 6, 2, 3)["input_ids"], [2, 3, 7, 8, 3, 0])
   with pytest.raises(ValueError, match="First segment of 7 word pieces does not fit max_length=6"):
     join_bert(list(range(7)), [1, 2], 6, 2, 3)
   with pytest.raises(ValueError, match="does not fit max_length=5.*shorten it"):

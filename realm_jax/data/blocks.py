@@ -77,6 +77,8 @@ def pack_blocks(title: str, text: str, tokenizer: BertTokenizer, block_length: i
 
   pieces: list[tuple[str, list[int]]] = []
   for sent, ids in zip(sentences, sent_ids):
+    if not ids:  # e.g. only format characters (a BOM, zero-width spaces): nothing to keep
+      continue
     if len(ids) <= budget:
       pieces.append((sent, ids))
     else:  # a sentence longer than a whole block: cut it into budget-sized pieces

@@ -184,12 +184,13 @@ class Corpus:
 
   def model_inputs(self, rows: Sequence[int], max_length: int, tokenizer: BertTokenizer,
                    truncate: str = "b") -> dict[str, np.ndarray]:
-    """`[CLS] title [SEP] body [SEP]` (or `[CLS] body [SEP]` without a title) as [R, L] arrays."""
+    """`[CLS] title [SEP] body [SEP]` as [R, L] arrays, also for a block without a title
+    (`[CLS] [SEP] body [SEP]`, the body in segment 1): the layout the pre-training step gives the
+    document tower (`CandidateBuilder`), so that an index and the step's scores agree."""
     pairs = []
     for r in rows:
       ex = self._source[int(r)]
-      title, body = list(ex["title_token_ids"]), list(ex["token_ids"])
-      pairs.append((title, body) if title else (body, None))
+      pairs.append((list(ex["title_token_ids"]), list(ex["token_ids"])))
     return batch_join(pairs, max_length, tokenizer, truncate)
 
 

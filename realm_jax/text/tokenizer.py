@@ -112,7 +112,7 @@ def join_bert(a: Sequence[int], b: Sequence[int] | None, max_length: int, cls_id
   Raises:
     ValueError naming the lengths when the text is empty or does not fit.
   """
-  if len(a) == 0:
+  if len(a) == 0 and not b:  # an empty a with a b is fine: a block without a title
     raise ValueError("Empty first segment: the text has no word pieces (empty or whitespace only).")
   specials = 2 if b is None else 3
   budget = max_length - specials
