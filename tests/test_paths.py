@@ -440,6 +440,42 @@ def test_hf_checkpoint_in_gs_loads_as_the_local_one(gcs, tmp_path, monkeypatch):
     load_hf_checkpoint(f"{BUCKET}/models/pt")
 
 
+def test_corpus_embedding_in_gs_matches_the_local_one_and_resumes(gcs, corpus_setup, tmp_path,
+                                                                   monkeypatch):
+  from realm_jax.data.corpus import Corpus, CorpusConfig
+  from realm_jax.retrieval.embed import embed_corpus
+  from realm_jax.retrieval.towers import load_towers
+  _tiny_scorer(str(tmp_path / "ict"))
+  tower = load_towers(str(tmp_path / "ict"))["document"]
+  corpus = Corpus.build(str(tmp_path / "data"), CorpusConfig(
+      source="jsonl", paths=(f"{BUCKET}/corpus",), vocab_file=corpus_setup, block_length=32))
+  shard_size = -(-len(corpus) // 3)  # 3 shards
+  kw = dict(max_length=48, shard_size=shard_size, batch_size=8, fingerprint="f")
+  want = embed_corpus(corpus, tower.embed, tower.tokenizer, str(tmp_path / "emb"), **kw)
+  remote, prefix = f"{BUCKET}/w/embeddings/f", "bucket/w/embeddings/f/"
+  shards = [f"shard-0000{s}-of-00003.safetensors" for s in range(3)]
+  got = embed_corpus(corpus, tower.embed, tower.tokenizer, remote, **kw)
+  np.testing.assert_array_equal(got, want)
+  assert _keys(gcs, prefix) == ["embedding.json"] + shards
+  for name in shards:  # the same files as locally
+    assert gcs[prefix + name] == (tmp_path / "emb" / name).read_bytes()
+
+  # A second run reads the shards back: nothing embedded or uploaded again...
+  uploads = []
+  close = _Upload.close
+  monkeypatch.setattr(_Upload, "close", lambda f: (uploads.append(f._key), close(f)))
+  no_embed = lambda b: pytest.fail("embedded again instead of resuming")
+  np.testing.assert_array_equal(embed_corpus(corpus, no_embed, tower.tokenizer, remote, **kw), want)
+  assert uploads == []
+  # ... and a run cut short after some shards embeds only the missing one.
+  del gcs[prefix + shards[1]]
+  rows = []
+  counted = lambda b: (rows.append(int(b["attention_mask"].any(-1).sum())), tower.embed(b))[1]
+  np.testing.assert_array_equal(embed_corpus(corpus, counted, tower.tokenizer, remote, **kw), want)
+  assert uploads == [prefix + shards[1]]
+  assert sum(rows) == min(len(corpus), 2 * shard_size) - shard_size
+
+
 def test_pretraining_starts_from_hf_weights_in_gs(gcs, tmp_path):
   from realm_jax.checkpoints import save_hf_checkpoint
   from realm_jax.configs.pretrain import get_config

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from realm_jax.io_utils import atomic_write, read_json, write_json
+from realm_jax.io_utils import as_path, atomic_write, local_file, read_json, write_json
 
 Batch = dict[str, np.ndarray]
 
@@ -159,10 +159,11 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
   """Embeds every block of `corpus` into resumable shards under `out_dir`; returns [N, D].
 
   Shard s holds rows [s * shard_size, (s + 1) * shard_size) as `shard-SSSSS-of-TTTTT.safetensors`,
-  each written under a temporary name and renamed when complete: a killed run resumes at the
-  first missing shard and ends with the same result as an uninterrupted one. `fingerprint`
-  (corpus + model + settings) is recorded in `out_dir/embedding.json`; a directory made for
-  another fingerprint is refused rather than mixed.
+  each written under a temporary name and renamed when complete (in a gs:// `out_dir`: uploaded as
+  one object, which appears only when whole): a killed run resumes at the first missing shard and
+  ends with the same result as an uninterrupted one. `fingerprint` (corpus + model + settings) is
+  recorded in `out_dir/embedding.json`; a directory made for another fingerprint is refused rather
+  than mixed.
   """
   from safetensors.numpy import load_file, save_file
 
@@ -173,7 +174,7 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
   meta = {"fingerprint": fingerprint, "count": n, "shard_size": shard_size,
           "max_length": max_length, "truncate": truncate}
   meta_path = os.path.join(out_dir, "embedding.json")
-  if os.path.exists(meta_path):
+  if as_path(meta_path).exists():
     old = read_json(meta_path)
     if old != meta:
       raise ValueError(
@@ -181,8 +182,12 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
           "Use another directory, or delete this one to re-embed.")
   else:
     write_json(meta_path, meta)
-  shard_path = lambda s: os.path.join(out_dir, f"shard-{s:05d}-of-{num_shards:05d}.safetensors")
-  todo = [s for s in range(num_shards) if not os.path.exists(shard_path(s))]
+  shard_name = lambda s: f"shard-{s:05d}-of-{num_shards:05d}.safetensors"
+  shard_path = lambda s: os.path.join(out_dir, shard_name(s))
+  # One listing, not one request per shard (thousands for a big corpus in gs://). The directory
+  # exists: embedding.json is in it. Temporary files (".tmp-shard-...") do not match a shard name.
+  present = {p.name for p in as_path(out_dir).iterdir()}
+  todo = [s for s in range(num_shards) if shard_name(s) not in present]
   done_rows = n - sum(min(n, (s + 1) * shard_size) - s * shard_size for s in todo)
   if done_rows:
     logging.info("Resuming: %d of %d shards already embedded in %s", num_shards - len(todo),
@@ -206,4 +211,9 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
     elapsed = time.perf_counter() - start
     logging.info("Embedded %d blocks in %.1f s (%.1f blocks/s)", new_rows, elapsed,
                  new_rows / elapsed)
-  return np.concatenate([load_file(shard_path(s))["embeddings"] for s in range(num_shards)])
+
+  def load_shard(s: int) -> np.ndarray:
+    with local_file(shard_path(s)) as path:  # load_file reads local files: gs:// is downloaded
+      return load_file(path)["embeddings"]
+
+  return np.concatenate([load_shard(s) for s in range(num_shards)])
