@@ -103,6 +103,24 @@ def test_every_logged_row_has_the_retrieval_diagnostics(uninterrupted):
     assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["null_accuracy"] <= 1.0, r
 
 
+def test_logged_gradient_norm_is_the_mean_over_its_window(tmp_path, data_dir, uninterrupted):
+  """Logged every 4 of 6 steps, the windows hold 4 and then 2 steps: each logged grad_norm is the
+  mean of the per-step norms the same (deterministic) run logs with log_every=1."""
+  workdir = str(tmp_path / "every4")
+  code, out = run(workdir, data_dir, "--config.log_every=4")
+  assert code == 0, out[-3000:]
+  per_step = {r["step"]: r["grad_norm"] for r in read_rows(uninterrupted) if r["split"] == "train"}
+  got = {r["step"]: r["grad_norm"] for r in read_rows(workdir) if r["split"] == "train"}
+  assert sorted(got) == [4, 6]
+  np.testing.assert_allclose(got[4], np.mean([per_step[s] for s in (1, 2, 3, 4)]), rtol=1e-6)
+  np.testing.assert_allclose(got[6], np.mean([per_step[5], per_step[6]]), rtol=1e-6)
+
+
+def read_rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
 def test_finished_run_does_nothing_and_other_config_is_refused(data_dir, uninterrupted):
   code, out = run(uninterrupted, data_dir)
   assert code == 0 and "Nothing to do" in out

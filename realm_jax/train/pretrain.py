@@ -302,9 +302,8 @@ class Trainer:
       bar.update(1)
       if done % c.log_every == 0 or done == c.num_steps:
         elapsed = time.perf_counter() - window_start
-        n = c.log_every if done % c.log_every == 0 else done - start_step
         metrics = summarize(sums)
-        metrics["grad_norm"] = float(sums["grad_norm"]) / n
+        metrics["grad_norm"] = float(sums["grad_norm"]) / (window_examples // c.batch_size)
         metrics["skipped"] = float(sums["skipped"])
         metrics.update(learning_rate=float(self.schedule(step)),
                        index_staleness=float(done - 1 - index_step(self.index_path)),
