@@ -67,6 +67,20 @@ def test_index_of_another_corpus_is_refused(setup, tmp_path):
     DocIndex.load(path, expected_corpus_fingerprint="somethingelse")
   with pytest.raises(ValueError, match="dim"):
     DocIndex.load(path, expected_dim=384)
+  # Other retriever weights of the same shape: their queries would be scored against blocks
+  # another document tower embedded.
+  config = tiny_config(vocab_size=len(WORDS), max_position_embeddings=64)
+  ids = np.ones((1, 8), np.int32)
+  q = dict(input_ids=ids, attention_mask=ids, token_type_ids=0 * ids)
+  other = RealmRetriever(config, share_embedders=False).init(
+      jax.random.key(4), q, {k: v[:, None] for k, v in q.items()})["params"]
+  save_hf_checkpoint(tmp_path / "other", config, other, "retriever")
+  (tmp_path / "other" / "vocab.txt").write_text("\n".join(WORDS) + "\n")
+  other_cfg = cfg.copy_and_resolve_references()
+  other_cfg.weights = str(tmp_path / "other")
+  with pytest.raises(ValueError, match="embedded by retriever weights .*rebuild the index"):
+    build.load_built_index(other_cfg, str(tmp_path))
+  assert build.load_built_index(cfg, str(tmp_path))[1].count == 25
 
 
 def test_missing_index_and_bad_weights_are_clear(setup, tmp_path):

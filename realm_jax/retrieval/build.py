@@ -51,7 +51,8 @@ def build_index(config, workdir: str, towers=None):
 def load_built_index(config, workdir: str, towers=None):
   """(corpus, index, query tower) of an index that `build_index` published in `workdir`.
   `towers`: already loaded `towers_of(config)`."""
-  query_tower = (towers or towers_of(config))["query"]
+  towers = towers or towers_of(config)
+  query_tower = towers["query"]
   corpus = open_corpus(config, workdir, query_tower.tokenizer.vocab_file)
   path = latest_index_dir(os.path.join(workdir, "index"))
   if path is None:
@@ -59,6 +60,7 @@ def load_built_index(config, workdir: str, towers=None):
         f"No index in {workdir}/index: build one with experiments/build_index.py --workdir={workdir}.")
   index = DocIndex.load(path, expected_dim=query_tower.dim,
                         expected_corpus_fingerprint=corpus.fingerprint,
+                        expected_model_fingerprint=towers["document"].fingerprint,
                         searcher=config.index.searcher, dtype=config.index.dtype)
   return corpus, index, query_tower
 

@@ -369,12 +369,14 @@ class DocIndex:
 
   @classmethod
   def load(cls, directory: str | os.PathLike, *, expected_dim: int | None = None,
-           expected_corpus_fingerprint: str | None = None, searcher: str = "exact",
+           expected_corpus_fingerprint: str | None = None,
+           expected_model_fingerprint: str | None = None, searcher: str = "exact",
            mesh: Mesh | None = None, dtype: str | None = None, **options) -> "DocIndex":
     """Reads an index written by `save`; `options` go to the constructor.
 
     Args:
-      expected_dim / expected_corpus_fingerprint: if given, must match the manifest.
+      expected_dim / expected_corpus_fingerprint / expected_model_fingerprint: if given, must
+        match the manifest (the last: the document tower that embedded the blocks).
       dtype: storage dtype to use (default: the saved one).
     """
     from safetensors.numpy import load_file  # local: only saving and loading need it
@@ -390,6 +392,12 @@ class DocIndex:
                        f"{manifest['corpus_fingerprint']!r}, but corpus "
                        f"{expected_corpus_fingerprint!r} was expected: rebuild the index for "
                        "this corpus.")
+    if (expected_model_fingerprint is not None
+        and manifest["model_fingerprint"] != expected_model_fingerprint):
+      raise ValueError(f"The index in {directory} was embedded by retriever weights "
+                       f"{manifest['model_fingerprint']!r}, but the configured document tower is "
+                       f"{expected_model_fingerprint!r}: rebuild the index with these weights "
+                       "(experiments/build_index.py), or configure the weights that built it.")
     with local_file(os.path.join(directory, ARRAYS)) as path:  # load_file reads local files only
       arrays = load_file(path)
     emb, ids = arrays.get("embeddings"), arrays.get("block_ids")
