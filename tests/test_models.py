@@ -7,6 +7,7 @@ import pytest
 
 from realm_jax.models import (BertModel, RealmConfig, RealmEmbedder, RealmRetriever,
                               marginal_mlm_loss, span_candidates, tiny_config)
+from realm_jax.models.reader import SpanScorer
 
 
 def test_config_reads_hf_json_and_refuses_bad_values(tmp_path):
@@ -34,6 +35,24 @@ def test_span_candidates_by_hand():
   np.testing.assert_array_equal(ends, [0, 1, 2, 3, 1, 2, 3])
   starts, _ = span_candidates(320, 10)
   assert len(starts) == sum(320 - w + 1 for w in range(1, 11))
+
+
+def test_spans_crossing_a_hole_in_the_block_mask_are_invalid():
+  """[CLS] q [SEP] title [SEP] body [SEP]: the [SEP] between title and body is a hole in the block
+  mask; a span from the title into the body is invalid though both its ends are in the block."""
+  config = tiny_config(max_span_width=4)
+  block_mask = np.array([[0, 0, 1, 1, 0, 1, 1, 1, 0, 0]])  # title at 2-3, body at 5-7
+  hidden = jax.random.normal(jax.random.key(0), (1, 10, config.hidden_size))
+  scorer = SpanScorer(config)
+  params = scorer.init(jax.random.key(1), hidden, block_mask)
+  logits, valid, starts, ends = scorer.apply(params, hidden, block_mask)
+  valid = np.asarray(valid[0])
+  got = {(int(s), int(e)) for s, e, v in zip(starts, ends, valid) if v}
+  want = {(s, e) for s in range(10) for e in range(s, min(s + 4, 10))
+          if block_mask[0, s:e + 1].all()}
+  assert got == want
+  assert {(2, 3), (5, 7), (3, 3)} <= got and not {(3, 5), (2, 5), (3, 6)} & got
+  assert (np.asarray(logits[0])[~valid] == np.finfo(np.float32).min).all()
 
 
 def test_marginal_loss_by_hand():

@@ -104,6 +104,23 @@ def test_gold_spans_text_and_regex(batcher, tok):
                             "text") == []
 
 
+def test_regex_gold_spans_end_inside_the_cut_body(batcher, tok):
+  """A body cut after "robert": a match running past the kept pieces is no gold span (as for a
+  text answer), one ending inside them is."""
+  cut = QaBatcher(batcher.corpus, tok, question_length=4, reader_length=9, max_span_width=6)
+  q = cut.question_ids("who")
+  one, lay = cut.reader_row(q, 0, 9)
+  body = one["input_ids"][lay.body_start:lay.body_start + lay.n_body]
+  assert tok.decode(body) == "charles robert"
+  assert cut.gold_spans(0, lay, ["Robert Darwin was"], "text") == []
+  assert cut.gold_spans(0, lay, ["Robert Darwin was"], "regex") == []
+  assert cut.gold_spans(0, lay, [r"Robert\s+Darwin"], "regex") == []
+  # Ending inside the kept pieces, or on the space after the last one: gold.
+  for answer, want in (("Charles Robert", "charles robert"), (r"Robert\s", "robert")):
+    spans = cut.gold_spans(0, lay, [answer], "regex")
+    assert [tok.decode(one["input_ids"][s:e + 1]) for s, e in spans] == [want], answer
+
+
 def test_train_batch_has_answer_matches_recall_definition(batcher, tok):
   qs = [{"question": "highest mountain", "answers": ["Mount Everest"], "answer_type": "text"},
         {"question": "coffee with milk", "answers": ["cafe au lait"], "answer_type": "text"},

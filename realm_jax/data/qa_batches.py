@@ -4,8 +4,9 @@ Reader input of (question, block), as in ORQA/REALM with the block's title kept 
 *are* the answer):
     [CLS] question [SEP] title [SEP] body [SEP]        (token types 0 ... 0 | 1 ... 1)
 or `[CLS] question [SEP] body [SEP]` for a block without a title. `block_mask` is 1 on the title
-and body word pieces only, so every span the reader scores lies inside the block. The body is cut
-to fit `reader_length`; the question to `question_length`.
+and body word pieces only, so every span the reader scores lies inside the title or inside the
+body (the reader refuses a span over the hole at the [SEP] between them). The body is cut to fit
+`reader_length`; the question to `question_length`.
 
 Gold spans: every occurrence in the title or the (cut) body of an answer's word pieces: of the
 answer as written and of its normalised form (articles and punctuation dropped), as ORQA matched
@@ -88,7 +89,11 @@ def find_subsequences(haystack: Sequence[int], needles: Sequence[Sequence[int]]
 
 def char_spans_to_pieces(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
                          ) -> list[tuple[int, int]]:
-  """Character spans [a, b) -> inclusive word-piece spans covering them (via piece offsets)."""
+  """Character spans [a, b) -> inclusive word-piece spans covering them (via piece offsets).
+
+  `offsets` must be those of the whole text: a span past the last piece given would be clamped to
+  it. Keep the spans that end inside a cut (e < n) afterwards.
+  """
   if not offsets:
     return []
   begins = np.asarray([o[0] for o in offsets])
@@ -251,8 +256,10 @@ class QaBatcher:
       if n == 0:
         continue
       if answer_type == "regex":
-        enc_ids, offsets = self.tokenizer.encode_batch_with_offsets([text])[0]
-        spans = char_spans_to_pieces(offsets[:n], regex_char_spans(text, answers))
+        # The offsets of the whole text, not only the kept pieces': a match running past the cut
+        # ends at a piece e >= n and is dropped below, as a text answer's would be.
+        _, offsets = self.tokenizer.encode_batch_with_offsets([text])[0]
+        spans = char_spans_to_pieces(offsets, regex_char_spans(text, answers))
       else:
         spans = find_subsequences(ids, pieces if pieces is not None
                                   else answer_pieces(self.tokenizer, answers))

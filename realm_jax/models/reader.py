@@ -1,7 +1,9 @@
 """Open-QA reader: span scores over the retrieved blocks, and the retriever and reader losses.
 
 Input per (question, block): `[CLS] q [SEP] block [SEP]`; `block_mask` marks the block's tokens.
-Span (s, e) with 1 <= e - s + 1 <= max_span_width, both ends inside the block:
+Span (s, e) with 1 <= e - s + 1 <= max_span_width, every position s..e inside the block (the
+block mask has a hole at the [SEP] between title and body: no span crosses it; HF checks only
+the two ends, the same where the mask has no hole):
   score(s, e) = dense_1( LayerNorm_1e-3( relu(start[s] + end[e]) ) ) + retriever_logit(block)
 where [start, end] = dense_intermediate(h) split in halves (span_hidden_size each).
 """
@@ -34,7 +36,11 @@ def span_candidates(seq_len: int, max_width: int) -> tuple[np.ndarray, np.ndarra
 
 
 class SpanScorer(nn.Module):
-  """HF `qa_outputs`: hidden [..., L, H], block_mask [..., L] -> span logits [..., N]."""
+  """HF `qa_outputs`: hidden [..., L, H], block_mask [..., L] -> span logits [..., N].
+
+  Returns (logits, valid, starts, ends): a span is valid when block_mask is 1 on all its positions;
+  invalid spans' logits are float32 min.
+  """
   config: RealmConfig
 
   @nn.compact
@@ -47,7 +53,10 @@ class SpanScorer(nn.Module):
     h = layer_norm(c.reader_layer_norm_eps, "layer_normalization")(h)  # [..., N, S]
     logits = dense(c, 1, "dense_output")(h.astype(c.compute_dtype))[..., 0].astype(jnp.float32)
     bm = block_mask.astype(bool)
-    valid = jnp.take(bm, starts, axis=-1) & jnp.take(bm, ends, axis=-1)  # [..., N]
+    # Positions outside the block up to each one: none in (s, e] iff the counts at s and e agree.
+    outside = jnp.cumsum(~bm, axis=-1, dtype=jnp.int32)
+    valid = jnp.take(bm, starts, axis=-1) & (jnp.take(outside, starts, axis=-1)
+                                             == jnp.take(outside, ends, axis=-1))  # [..., N]
     return jnp.where(valid, logits, _NEG), valid, starts, ends
 
 
