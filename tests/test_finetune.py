@@ -71,6 +71,36 @@ def test_rerun_resumes_and_has_nothing_left_to_do(run):
   assert int(trainer.state.step) == 4 and trainer.position["cursor"] > 0
 
 
+def test_restart_after_best_outran_its_record(run, tmp_path):
+  """The run died after saving best/ but before a regular checkpoint recorded it (none here):
+  the restart reads the record from best/ itself; the kept step evaluated again neither crashes
+  (orbax's StepAlreadyExistsError) nor replaces the kept model, a worse step is not kept, a
+  better one is."""
+  import shutil
+  workdir, setup = run
+  where = str(tmp_path / "restart")
+  shutil.copytree(workdir, where, ignore=shutil.ignore_patterns("checkpoints"))
+  _, kept = setup.best_params()
+  step, dev = kept["step"], {k: v for k, v in kept.items() if k != "step"}
+  record = {"dev_em": kept.get("em", 0.0), "dev_recall": kept["recall_5"], "step": step}
+  trainer = finetune.QaTrainer(tiny_config(), where)
+  try:
+    trainer.restore()
+    assert int(trainer.state.step) == 0  # no checkpoint: training starts again
+    assert not trainer.maybe_keep_best(step, dev)  # the same result at the same step
+    better = {**dev, "em": dev.get("em", 0.0) + 1.0}
+    assert not trainer.maybe_keep_best(step, better)  # best/ already holds this step's model
+    assert not trainer.keep_best(step, {"step": step})  # the last step kept without evaluations
+    assert not trainer.maybe_keep_best(step + 1, {**dev, "em": dev.get("em", 0.0) - 1.0})
+    assert trainer.best == record and trainer.setup.best_params()[1] == kept
+    assert trainer.maybe_keep_best(step + 1, better)
+    trainer.restore()
+    assert trainer.best == {**record, "dev_em": better["em"], "step": step + 1}
+    assert trainer.setup.best_params()[1] == {"step": step + 1, **better}
+  finally:
+    trainer.metrics.close()
+
+
 def test_workdir_with_other_data_is_refused(run):
   workdir, _ = run
   other = tiny_config()

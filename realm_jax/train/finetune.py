@@ -29,6 +29,7 @@ import jax
 import ml_collections
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -49,6 +50,23 @@ from realm_jax.train.qa_step import QaModels, TrainState, qa_params, qa_train_st
 _FIXED = ("retrieval", "reader_weights", "reader_layers", "span_hidden_size", "max_span_width",
           "data")
 BEST = "best"
+NO_BEST = {"dev_em": -1.0, "dev_recall": -1.0, "step": -1}
+
+
+def dev_key(dev: dict) -> tuple[float, float]:
+  """What selects the best model: dev EM, then recall@5 (0 where absent)."""
+  return dev.get("em", 0.0), dev.get("recall_5", 0.0)
+
+
+def best_record(manager: ocp.CheckpointManager) -> dict | None:
+  """{"dev_em", "dev_recall", "step"} of the model a best/ manager holds, from the meta saved with
+  it (its parameters are not read); None when it holds none."""
+  step = manager.latest_step()
+  if step is None:
+    return None
+  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  em, recall = dev_key(meta)
+  return {"dev_em": em, "dev_recall": recall, "step": int(meta.get("step", step))}
 
 
 # ------------------------------------------------------------------------------------ questions
@@ -255,7 +273,7 @@ class QaTrainer:
     self.best_manager = checkpoints.checkpoint_manager(os.path.join(workdir, BEST), keep=1,
                                                        asynchronous=False, data=False)
     self.position = {"epoch": 0, "cursor": 0}
-    self.best = {"dev_em": -1.0, "dev_recall": -1.0, "step": -1}
+    self.best = dict(NO_BEST)         # the record of the model in best/
     self.seen = 0                     # training questions examined (kept or passed over)
     self._epoch_order = (-1, None)
     self.metrics = MetricsWriter(workdir)
@@ -336,19 +354,37 @@ class QaTrainer:
                       "seen": self.seen}, force=force)
 
   def restore(self) -> None:
+    """The latest checkpoint's state and data position; the best record from best/ itself.
+
+    best/ is written at once, the checkpoint that records it later and asynchronously: a run that
+    died in between restarts from an older record, and would re-save a step best/ holds. An
+    empty best/ gives no record: the next evaluation is kept.
+    """
     got = checkpoints.restore_latest(self.manager, self.state)
     if got is not None:
       self.state, meta = got
-      self.position, self.best = meta["position"], meta["best"]
+      self.position = meta["position"]
       self.seen = meta.get("seen", 0)
+    self.best = best_record(self.best_manager) or dict(NO_BEST)
+
+  def keep_best(self, step: int, meta: dict) -> bool:
+    """Saves the parameters to best/ as `step` (synchronously; the older model goes once it is
+    written); False, writing nothing, when best/ already holds `step`: a step run again after a
+    restart. Orbax cannot overwrite a step, and deleting it first could lose the kept model."""
+    if step in self.best_manager.all_steps():
+      logging.info("%s/%s already holds step %d: kept as it is.", self.workdir, BEST, step)
+      return False
+    checkpoints.save(self.best_manager, step, self.state.params, meta, force=True)
+    return True
 
   def maybe_keep_best(self, step: int, dev: dict) -> bool:
-    key = (dev.get("em", 0.0), dev.get("recall_5", 0.0))
+    """Keeps the parameters in best/ if `dev` beats the record; True when they were kept."""
+    key = dev_key(dev)
     if key <= (self.best["dev_em"], self.best["dev_recall"]):
       return False
+    if not self.keep_best(step, {"step": step, **dev}):
+      return False
     self.best = {"dev_em": key[0], "dev_recall": key[1], "step": step}
-    checkpoints.save(self.best_manager, step, self.state.params, {"step": step, **dev},
-                     force=True)
     logging.info("New best dev EM %.2f (recall@5 %.2f) at step %d, kept in %s/%s", key[0],
                  key[1], step, self.workdir, BEST)
     return True
@@ -407,8 +443,7 @@ class QaTrainer:
         self.save(done, force=done == c.num_steps)
     bar.close()
     if not c.eval_every:  # nothing selected a model: the last one is the one to keep
-      checkpoints.save(self.best_manager, c.num_steps, self.state.params,
-                       {"step": c.num_steps}, force=True)
+      self.keep_best(c.num_steps, {"step": c.num_steps})
     return self.best
 
 
