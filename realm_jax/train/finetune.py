@@ -421,9 +421,8 @@ class QaTrainer:
       bar.update(1)
       if done % c.log_every == 0 or done == c.num_steps:
         elapsed = time.perf_counter() - window_start
-        n = c.log_every if done % c.log_every == 0 else done - start_step
         metrics = summarize_qa(sums)
-        metrics["grad_norm"] = float(sums["grad_norm"]) / n
+        metrics["grad_norm"] = float(sums["grad_norm"]) / (window_q // c.batch_size)
         metrics.update(learning_rate=float(self.schedules["query_tower"](step)),
                        reader_learning_rate=float(self.schedules["reader"](step)),
                        questions_per_s=window_q / elapsed,
