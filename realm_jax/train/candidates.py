@@ -53,17 +53,19 @@ class CandidateBuilder:
       raise ValueError(f"num_candidates={num_candidates}: need at least 1 (the null document).")
     self.corpus, self.cls, self.sep = corpus, cls_id, sep_id
     self.k, self.doc_length, self.joint_length = num_candidates, doc_length, joint_length
-    self._cache: dict[int, tuple[list[int], list[int]]] = {}
+    self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
   def _block(self, row: int) -> tuple[list[int], list[int]]:
-    """(title ids, body ids) of a corpus row; cached, the corpus never changes under a run."""
+    """(title ids, body ids) of a corpus row; cached, the corpus never changes under a run. The
+    cache holds int32 arrays: 705 bytes per block of the demo (43 word pieces on average) against
+    1,595 as lists of numpy scalars, which grow ~33 bytes a piece (~9.6 KB for 288)."""
     got = self._cache.get(row)
     if got is None:
       ex = self.corpus[row]
-      got = (list(ex["title_token_ids"]), list(ex["token_ids"]))
+      got = (np.asarray(ex["title_token_ids"], np.int32), np.asarray(ex["token_ids"], np.int32))
       if len(self._cache) < 1_000_000:
         self._cache[row] = got
-    return got
+    return got[0].tolist(), got[1].tolist()
 
   def _doc(self, title, body):
     """[CLS] title [SEP] body [SEP] cut to doc_length (the body is cut; an empty block is the null
