@@ -386,18 +386,15 @@ class DocIndex:
     if expected_dim is not None and manifest["dim"] != expected_dim:
       raise ValueError(f"The index in {directory} has dimension {manifest['dim']}, but "
                        f"{expected_dim} was expected: rebuild it with the current retriever.")
-    if (expected_corpus_fingerprint is not None
-        and manifest["corpus_fingerprint"] != expected_corpus_fingerprint):
-      raise ValueError(f"The index in {directory} was built from corpus "
-                       f"{manifest['corpus_fingerprint']!r}, but corpus "
-                       f"{expected_corpus_fingerprint!r} was expected: rebuild the index for "
-                       "this corpus.")
-    if (expected_model_fingerprint is not None
-        and manifest["model_fingerprint"] != expected_model_fingerprint):
-      raise ValueError(f"The index in {directory} was embedded by retriever weights "
-                       f"{manifest['model_fingerprint']!r}, but the configured document tower is "
-                       f"{expected_model_fingerprint!r}: rebuild the index with these weights "
-                       "(experiments/build_index.py), or configure the weights that built it.")
+    for key, expected, what, fix in (
+        ("corpus_fingerprint", expected_corpus_fingerprint, "built from corpus",
+         "rebuild the index for this corpus."),
+        ("model_fingerprint", expected_model_fingerprint, "embedded by retriever weights",
+         "rebuild the index with these weights (experiments/build_index.py), or configure the "
+         "weights that built it.")):
+      if expected is not None and manifest[key] != expected:
+        raise ValueError(f"The index in {directory} was {what} {manifest[key]!r}, but "
+                         f"{expected!r} was expected: {fix}")
     with local_file(os.path.join(directory, ARRAYS)) as path:  # load_file reads local files only
       arrays = load_file(path)
     emb, ids = arrays.get("embeddings"), arrays.get("block_ids")
