@@ -172,8 +172,9 @@ def test_loss_matches_hf_scorer_and_encoder():
                  token_type_ids=t(q["token_type_ids"]), candidate_input_ids=t(c["input_ids"]),
                  candidate_attention_mask=t(c["attention_mask"]),
                  candidate_token_type_ids=t(c["token_type_ids"])).relevance_score
-    out = encoder(t(j["input_ids"]).view(b * k, le), attention_mask=t(j["attention_mask"]).view(b * k, le),
-                  token_type_ids=t(j["token_type_ids"]).view(b * k, le), relevance_score=rel,
+    flat = lambda name: t(j[name]).view(b * k, le)
+    out = encoder(flat("input_ids"), attention_mask=flat("attention_mask"),
+                  token_type_ids=flat("token_type_ids"), relevance_score=rel,
                   labels=t(labels), mlm_mask=t(labels != -100))
   np.testing.assert_allclose(float(ours), out.loss.item(), atol=1e-5, rtol=0)
   np.testing.assert_allclose(retriever_logits(params, batch, models), rel.numpy(), atol=1e-5)
