@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import Mesh
 
 from realm_jax.retrieval import index as index_lib
-from realm_jax.retrieval.index import DocIndex, latest_index_dir, publish_index, read_manifest
+from realm_jax.retrieval.index import (DocIndex, latest_index_dir, prune_indexes, publish_index,
+                                       read_manifest)
 
 DIM = 16
 
@@ -229,6 +230,26 @@ def test_load_mismatches_and_broken_manifests(tmp_path):
   (path / "manifest.json").unlink()
   with pytest.raises(FileNotFoundError, match="manifest.json does not exist.*not a saved index"):
     DocIndex.load(path)
+
+
+def test_prune_keeps_the_newest_latest_and_protected_indexes(tmp_path):
+  emb, ids, _ = untied_data(9, 10, q=1)
+  index = DocIndex(emb, ids)
+  for step in (0, 100, 200, 300, 400):
+    publish_index(tmp_path, index, step, model_fingerprint="m", corpus_fingerprint="c")
+  names = lambda: sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("index-"))
+  assert prune_indexes(tmp_path, 0) == [] and len(names()) == 5  # 0: keep all
+  deleted = prune_indexes(tmp_path, 2, protect=[str(tmp_path / "index-00000100")])
+  assert sorted(deleted) == [str(tmp_path / "index-00000000"), str(tmp_path / "index-00000200")]
+  assert names() == ["index-00000100", "index-00000300", "index-00000400"]
+  # A run resumed from an older checkpoint republished an older step: LATEST names it, it stays.
+  publish_index(tmp_path, index, 250, model_fingerprint="m", corpus_fingerprint="c")
+  assert prune_indexes(tmp_path, 1, protect=["index-00000100"]) == [
+      str(tmp_path / "index-00000300")]
+  assert names() == ["index-00000100", "index-00000250", "index-00000400"]
+  assert latest_index_dir(tmp_path) == str(tmp_path / "index-00000250")
+  with pytest.raises(ValueError, match="keep=-1"):
+    prune_indexes(tmp_path, -1)
 
 
 def test_publish_and_latest(tmp_path):

@@ -121,6 +121,22 @@ def read_rows(workdir):
     return [json.loads(line) for line in f if line.strip()]
 
 
+def test_old_indexes_go_but_not_those_the_checkpoints_name(tmp_path, data_dir, uninterrupted):
+  """The tiny run refreshes at steps 0 and 3 and checkpoints at 2, 4 and 6, naming index 0 and
+  index 3. Refreshed at every step with config.index.keep=1, each refresh deletes the indexes
+  that are not the newest, the one in use or one a checkpoint names (1 at step 2, 3 at step 4):
+  index 0 at step 2, index 2 at step 4; 4 was in use at the last refresh."""
+  from realm_jax.train.checkpoints import indexes_in_use
+  got = indexes_in_use(os.path.join(uninterrupted, "checkpoints"))
+  assert {os.path.basename(p) for p in got} == {"index-00000000", "index-00000003"}
+  workdir = str(tmp_path / "pruned")
+  code, out = run(workdir, data_dir, "--config.index.refresh_every=1", "--config.index.keep=1")
+  assert code == 0, out[-3000:]
+  kept = sorted(p for p in os.listdir(os.path.join(workdir, "index")) if p.startswith("index-"))
+  assert kept == ["index-00000001", "index-00000003", "index-00000004", "index-00000005"], out
+  assert out.count("Deleted the index") == 2
+
+
 def test_finished_run_does_nothing_and_other_config_is_refused(data_dir, uninterrupted):
   code, out = run(uninterrupted, data_dir)
   assert code == 0 and "Nothing to do" in out

@@ -76,6 +76,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
       searcher="exact", dtype="float32",
       refresh="async",            # sync | async | none
       refresh_every=500,          # sync: steps between refreshes
+      keep=3,                     # published indexes kept (0: all); never one a checkpoint names
       embed_batch_size=64))
   c.slice = ml_collections.ConfigDict(dict(name="", devices=0, hbm_gib=0.0, hosts=0))
   c.log_every = 50

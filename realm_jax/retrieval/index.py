@@ -27,6 +27,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -483,3 +484,31 @@ def latest_index_dir(root: str | os.PathLike) -> str | None:
     if complete(name):
       return os.path.join(root, name)
   return None
+
+
+def prune_indexes(root: str | os.PathLike, keep: int, protect: Iterable[str] = ()) -> list[str]:
+  """Deletes the `index-*` directories of `root` but the `keep` of the highest steps, the one
+  LATEST names and those named in `protect` (names or paths); returns the deleted paths.
+
+  Each goes manifest first, so a reader never takes a half-deleted index for a complete one.
+  `keep` = 0 keeps everything (REALM refreshes its 13M-block index hundreds of times a run).
+  """
+  if keep < 0:
+    raise ValueError(f"keep={keep}: the number of indexes to keep must be >= 0 (0: all).")
+  root = os.fspath(root)
+  if keep == 0 or not as_path(root).is_dir():
+    return []
+  names = sorted((p.name for p in as_path(root).iterdir() if _INDEX_DIR.fullmatch(p.name)),
+                 key=lambda d: int(_INDEX_DIR.fullmatch(d)[1]), reverse=True)
+  spared = set(names[:keep]) | {os.path.basename(os.fspath(p).rstrip("/")) for p in protect}
+  latest = latest_index_dir(root)
+  if latest is not None:
+    spared.add(os.path.basename(latest))
+  deleted = []
+  for name in names:
+    if name not in spared:
+      path = as_path(os.path.join(root, name))
+      (path / MANIFEST).unlink(missing_ok=True)
+      path.rmtree()
+      deleted.append(os.path.join(root, name))
+  return deleted

@@ -16,7 +16,7 @@ import grain.checkpoint  # noqa: F401
 import jax
 import orbax.checkpoint as ocp
 
-from realm_jax.io_utils import absolute
+from realm_jax.io_utils import absolute, as_path
 
 
 def checkpoint_manager(directory: str, keep: int = 3, asynchronous: bool = True,
@@ -59,3 +59,22 @@ def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None):
         "with.") from e
   logging.info("Restored step %d from %s", step, manager.directory)
   return restored["state"], restored["meta"]
+
+
+def indexes_in_use(directory: str) -> set[str]:
+  """The index paths that the checkpoints in `directory` name (what a resume would load): none
+  of them may be pruned. Reads only each checkpoint's small meta item."""
+  if not as_path(directory).is_dir():
+    return set()
+  manager = ocp.CheckpointManager(absolute(directory),
+                                  options=ocp.CheckpointManagerOptions(read_only=True))
+  paths = set()
+  for step in manager.all_steps():
+    try:
+      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except (OSError, ValueError, KeyError) as e:  # one being deleted by the trainer's manager
+      logging.warning("Could not read the meta of checkpoint %s/%d (%s).", directory, step, e)
+      continue
+    if meta and meta.get("index_path"):
+      paths.add(meta["index_path"])
+  return paths

@@ -14,6 +14,7 @@ Started again on the same workdir, a run resumes from its newest checkpoint by i
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -165,6 +166,7 @@ class Trainer:
     logging.info("%s", memory.format_estimate(
         self.memory_estimate, config.slice.hbm_gib if config.get("slice") else 0.0))
     self.index, self.index_path = None, None
+    self._saved_index_paths = collections.deque(maxlen=config.keep_checkpoints + 1)
     self.watcher = None
     self.metrics = MetricsWriter(workdir)
     self.bad_steps = 0
@@ -210,10 +212,17 @@ class Trainer:
       self._set_index(load_index(path, self.corpus, dim, self.index_options), path)
     else:
       self._set_index(*refresh(self.index_root, self.embedder, self.state.params["retriever"],
-                               int(self.state.step), self.index_options))
+                               int(self.state.step), self.index_options, **self._pruning()))
     if self.config.index.refresh == "async":
       self.watcher = AsyncIndexWatcher(self.index_root, self.corpus, dim, self.index_options,
                                        self.index_path, agree=jax.process_count() > 1)
+
+  def _pruning(self) -> dict:
+    """Old indexes go (config.index.keep), but never the one in use or one a checkpoint names."""
+    ckpt_dir = os.path.join(self.workdir, "checkpoints")
+    in_use = lambda: (checkpoints.indexes_in_use(ckpt_dir) | {self.index_path or ""}
+                      | set(filter(None, self._saved_index_paths)))
+    return dict(keep=int(self.config.index.get("keep", 0)), protect=in_use)
 
   def embedder_dim(self) -> int:
     c = self.model_config
@@ -225,7 +234,7 @@ class Trainer:
         self.index_path) < step:
       start = time.perf_counter()
       self._set_index(*refresh(self.index_root, self.embedder, self.state.params["retriever"],
-                               step, self.index_options))
+                               step, self.index_options, **self._pruning()))
       logging.info("Index refreshed at step %d in %.1f s", step, time.perf_counter() - start)
     elif mode == "async":
       got = self.watcher.poll()
@@ -251,6 +260,8 @@ class Trainer:
       self.metrics.write(step, metrics, prefix)
 
   def save(self, step: int, force: bool = False):
+    # Remembered until the (asynchronous) checkpoint is on disk for `indexes_in_use` to read.
+    self._saved_index_paths.append(self.index_path)
     checkpoints.save(self.manager, step, self.state,
                      {"index_path": self.index_path, "step": step}, self.train_iter, force=force)
 

@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
@@ -19,8 +20,8 @@ import numpy as np
 from realm_jax import distributed
 from realm_jax.io_utils import is_remote
 from realm_jax.retrieval.embed import embed_in_buckets
-from realm_jax.retrieval.index import (DocIndex, index_path, latest_index_dir, publish_index,
-                                       read_manifest)
+from realm_jax.retrieval.index import (DocIndex, index_path, latest_index_dir, prune_indexes,
+                                       publish_index, read_manifest)
 from realm_jax.retrieval.towers import params_fingerprint
 
 REFRESH_MODES = ("sync", "async", "none")
@@ -55,12 +56,14 @@ def index_fingerprint(retriever_params) -> str:
 
 
 def refresh(root: str, embedder: DocumentEmbedder, retriever_params, step: int,
-            index_options: dict) -> tuple[DocIndex, str]:
+            index_options: dict, keep: int = 0,
+            protect: Callable[[], Iterable[str]] = tuple) -> tuple[DocIndex, str]:
   """Re-embeds the corpus with `retriever_params` and publishes it as step `step`.
 
   With several hosts each embeds its share of the blocks and gets the others' (`DocumentEmbedder`),
   the index keeps on each host the rows of its own devices, and the first host publishes; all
-  return once it is published.
+  return once it is published. Then all but the newest `keep` indexes are deleted (0: none),
+  sparing those `protect()` names (the ones the run's checkpoints would resume with).
   """
   params = jax.device_get(retriever_params)
   emb = embedder(params)
@@ -69,6 +72,8 @@ def refresh(root: str, embedder: DocumentEmbedder, retriever_params, step: int,
   if jax.process_index() == 0:
     publish_index(root, index, step, model_fingerprint=index_fingerprint(params),
                   corpus_fingerprint=embedder.corpus.fingerprint, embeddings=emb)
+    for gone in prune_indexes(root, keep, protect()):
+      logging.info("Deleted the index %s (config.index.keep=%d).", gone, keep)
   distributed.sync(f"realm_jax:refresh:{step}")
   index.manifest = read_manifest(path)
   return index, path

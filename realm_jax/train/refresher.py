@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 
 from realm_jax.io_utils import absolute, as_path
 from realm_jax.retrieval.index import latest_index_dir
+from realm_jax.train import checkpoints
 from realm_jax.train.init import build_models
 from realm_jax.train.pretrain import open_data
 from realm_jax.train.refresh import DocumentEmbedder, index_step, refresh
@@ -68,7 +69,9 @@ def run_refresher(config, workdir: str, *, poll_seconds: float = 10.0,
     if newest is not None and newest > index_step(latest_index_dir(root)):
       start = time.perf_counter()
       params = read_retriever_params(ckpt_dir, newest)
-      _, path = refresh(root, embedder, params, newest, options)
+      _, path = refresh(root, embedder, params, newest, options,
+                        keep=int(config.index.get("keep", 0)),
+                        protect=lambda: checkpoints.indexes_in_use(ckpt_dir))
       published += 1
       idle_since = time.monotonic()
       logging.info("Published %s (checkpoint step %d) in %.1f s", path, newest,
