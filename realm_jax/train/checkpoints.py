@@ -10,13 +10,14 @@ directories itself: arrays through TensorStore's GCS driver, the rest through et
 from __future__ import annotations
 
 import logging
+import os
 
 import grain
 import grain.checkpoint  # noqa: F401
 import jax
 import orbax.checkpoint as ocp
 
-from realm_jax.io_utils import absolute, as_path
+from realm_jax.io_utils import absolute, as_path, read_json
 
 
 def checkpoint_manager(directory: str, keep: int = 3, asynchronous: bool = True,
@@ -63,18 +64,24 @@ def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None):
 
 def indexes_in_use(directory: str) -> set[str]:
   """The index paths that the checkpoints in `directory` name (what a resume would load): none
-  of them may be pruned. Reads only each checkpoint's small meta item."""
-  if not as_path(directory).is_dir():
+  of them may be pruned.
+
+  Reads each finished checkpoint's small meta item as a file (`<step>/meta/metadata`, orbax's
+  layout for the JSON item saved as "meta"), not through a CheckpointManager: creating one is a
+  collective across hosts, and this runs on the first host only.
+  """
+  root = as_path(directory)
+  if not root.is_dir():
     return set()
-  manager = ocp.CheckpointManager(absolute(directory),
-                                  options=ocp.CheckpointManagerOptions(read_only=True))
   paths = set()
-  for step in manager.all_steps():
-    try:
-      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    except (OSError, ValueError, KeyError) as e:  # one being deleted by the trainer's manager
-      logging.warning("Could not read the meta of checkpoint %s/%d (%s).", directory, step, e)
+  for step_dir in root.iterdir():
+    if not step_dir.name.isdigit():  # orbax's temporary directories have other names
       continue
-    if meta and meta.get("index_path"):
+    try:
+      meta = read_json(os.path.join(directory, step_dir.name, "meta", "metadata"))
+    except (OSError, ValueError) as e:  # unfinished (gs://) or being deleted by the trainer
+      logging.info("No meta in checkpoint %s/%s (%s).", directory, step_dir.name, e)
+      continue
+    if isinstance(meta, dict) and meta.get("index_path"):
       paths.add(meta["index_path"])
   return paths
