@@ -88,12 +88,13 @@ def _statistics(mlm_logits, batch, weights, aux) -> dict[str, Array]:
   utility = aux["marginal_log_probs"] - aux["candidate_log_probs"][:, 0]      # [B, M]
   p = jnp.exp(retr_logp)
   entropy = -jnp.sum(jnp.where(p > 0, p * retr_logp, 0.0), axis=-1)           # [B]
+  # Token counts and sums of the per-token metrics over the tokens that `w` weighs.
+  token_sums = lambda w: {"tokens": jnp.sum(w), "correct": jnp.sum(correct * w),
+                          "null_correct": jnp.sum(null_correct * w),
+                          "utility_sum": jnp.sum(utility * w)}
   stats = {
-      "tokens": jnp.sum(weights),
+      **token_sums(weights),
       "loss_sum": -jnp.sum(aux["marginal_log_probs"] * weights),
-      "correct": jnp.sum(correct * weights),
-      "null_correct": jnp.sum(null_correct * weights),
-      "utility_sum": jnp.sum(utility * weights),
       "entropy_sum": jnp.sum(entropy),
       "null_prob_sum": jnp.sum(p[:, 0]),
       "examples": jnp.asarray(targets.shape[0], jnp.float32),
@@ -108,16 +109,10 @@ def _statistics(mlm_logits, batch, weights, aux) -> dict[str, Array]:
   stats["tokens_sq"] = jnp.sum(n_e * n_e)
   if "span_found" in batch:  # laid out on the host by CandidateBuilder
     found = batch["span_found"].astype(jnp.float32)                            # [B]
-    found_weights = weights * found[:, None]
-    stats.update({
-        "span_found": jnp.sum(found),
-        # The same statistics on the examples whose masked span is in a retrieved block: where
-        # the evidence is there to copy.
-        "found_tokens": jnp.sum(found_weights),
-        "found_correct": jnp.sum(correct * found_weights),
-        "found_null_correct": jnp.sum(null_correct * found_weights),
-        "found_utility_sum": jnp.sum(utility * found_weights),
-    })
+    stats["span_found"] = jnp.sum(found)
+    # The same sums on the examples whose masked span is in a retrieved block: where the evidence
+    # is there to copy.
+    stats.update({f"found_{k}": v for k, v in token_sums(weights * found[:, None]).items()})
   return stats
 
 
@@ -132,11 +127,12 @@ def summarize(sums: dict) -> dict[str, float]:
   `found_retrieval_utility`.
   """
   tokens, examples = max(float(sums["tokens"]), 1.0), max(float(sums["examples"]), 1.0)
+  rates = lambda prefix, n: {f"{prefix}accuracy": float(sums[f"{prefix}correct"]) / n,
+                             f"{prefix}null_accuracy": float(sums[f"{prefix}null_correct"]) / n,
+                             f"{prefix}retrieval_utility": float(sums[f"{prefix}utility_sum"]) / n}
   out = {
       "loss": float(sums["loss_sum"]) / tokens,
-      "accuracy": float(sums["correct"]) / tokens,
-      "null_accuracy": float(sums["null_correct"]) / tokens,
-      "retrieval_utility": float(sums["utility_sum"]) / tokens,
+      **rates("", tokens),
       "retrieval_entropy": float(sums["entropy_sum"]) / examples,
       "null_doc_prob": float(sums["null_prob_sum"]) / examples,
   }
@@ -148,10 +144,7 @@ def summarize(sums: dict) -> dict[str, float]:
   if "span_found" in sums:
     out["span_in_candidates"] = float(sums["span_found"]) / examples
   if float(sums.get("found_tokens", 0.0)) > 0:  # none in this window: no such metrics
-    found = float(sums["found_tokens"])
-    out["found_accuracy"] = float(sums["found_correct"]) / found
-    out["found_null_accuracy"] = float(sums["found_null_correct"]) / found
-    out["found_retrieval_utility"] = float(sums["found_utility_sum"]) / found
+    out.update(rates("found_", float(sums["found_tokens"])))
   for k in ("grad_norm", "learning_rate", "skipped"):
     if k in sums:
       out[k] = float(sums[k])

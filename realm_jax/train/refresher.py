@@ -14,6 +14,7 @@ import os
 import time
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from realm_jax.io_utils import absolute, as_path
@@ -27,21 +28,21 @@ from realm_jax.train.refresh import DocumentEmbedder, index_step, refresh
 def read_retriever_params(checkpoint_dir: str, step: int) -> dict:
   """The retriever parameters of checkpoint `step` (host numpy).
 
-  The refresher usually sees other devices than the trainer that saved the checkpoint (its own
-  VM, or one GPU beside a trainer on all the others), so the state is restored onto this
-  process's first device, not into the shardings it was saved with.
+  Only they are read (not the encoder or the optimiser state), as numpy arrays: the refresher
+  usually sees other devices than the trainer that saved the checkpoint (its own VM, or one GPU
+  beside a trainer on all the others), so the saved shardings mean nothing here.
   """
   path = os.path.join(absolute(checkpoint_dir), str(step), "state")
-  checkpointer = ocp.StandardCheckpointer()
-  tree = checkpointer.metadata(path).item_metadata
+  tree = ocp.StandardCheckpointer().metadata(path).item_metadata
   tree = getattr(tree, "tree", tree)
-  here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), tree)
-  restored = checkpointer.restore(path, target)
   try:
-    return jax.device_get(restored["params"]["retriever"])
+    wanted = {"params": {"retriever": tree["params"]["retriever"]}}
   except (KeyError, TypeError) as e:
     raise ValueError(f"{path} holds no params/retriever: not a pre-training checkpoint.") from e
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
+  restored = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+      item=wanted, restore_args=as_numpy, partial_restore=True))
+  return restored["params"]["retriever"]
 
 
 def run_refresher(config, workdir: str, *, poll_seconds: float = 10.0,
