@@ -133,6 +133,30 @@ def test_approx_recall():
   assert (np.diff(scores, axis=1) <= 0).all()
 
 
+@pytest.mark.parametrize("searcher", ["exact", "approx", "scann"])
+def test_non_finite_queries_still_get_valid_rows(searcher):
+  """A diverged model's NaN or infinite query: every searcher returns k distinct ids of real,
+  not excluded rows, ranked after the finite scores (none here), and no padding row (301 rows over
+  8 devices leave 3 of them, which an unguarded top-k picks: NaN sorts above -inf)."""
+  if searcher == "scann":
+    pytest.importorskip("scann")
+  emb, ids, queries = untied_data(6, 301, q=3)
+  queries[0] = np.nan
+  queries[1, 0] = np.inf
+  queries[2] = 0.0
+  queries[2, 0], queries[2, 1] = np.inf, -np.inf  # inf - inf: NaN for most rows
+  index = DocIndex(emb, ids, searcher)
+  exclude = ids[:3]  # one per query
+  for k in (1, 10, 300):
+    scores, found = index.search(queries, k, exclude_ids=exclude)
+    assert found.shape == (3, k) and np.isin(found, ids).all()
+    assert all(len(set(row)) == k for row in found)
+    assert not (found == exclude[:, None]).any()
+    assert not np.isnan(scores).any() and not np.isposinf(scores).any()
+  _, rows = index_lib.brute_force_top_k(queries, emb, 300, np.arange(3)[:, None])
+  assert not (rows == np.arange(3)[:, None]).any() and all(len(set(r)) == 300 for r in rows)
+
+
 @pytest.fixture(scope="module")
 def scann_case():
   pytest.importorskip("scann")

@@ -116,6 +116,38 @@ def test_logged_gradient_norm_is_the_mean_over_its_window(tmp_path, data_dir, un
   np.testing.assert_allclose(got[6], np.mean([per_step[5], per_step[6]]), rtol=1e-6)
 
 
+def test_non_finite_steps_are_skipped_logged_and_stop_the_run(tmp_path, data_dir):
+  """Peak rate 1e30: the first update at a non-zero rate (step 2; warmup 2) leaves huge finite
+  parameters, then every loss overflows. Those steps are skipped and logged as such with no NaN
+  statistics, and the second in a row stops the run with a clear error; the checkpoint of step 2
+  stays."""
+  workdir = str(tmp_path / "overflow")
+  code, out = run(workdir, data_dir, "--config.learning_rate=1e30", "--config.max_bad_steps=2")
+  assert code != 0 and "2 steps in a row had a non-finite loss (last at step 3)" in out, out[-3000:]
+  assert "Step 2: non-finite loss or gradient; the update was skipped (1 in a row)" in out
+  rows = [r for r in read_rows(workdir) if r["split"] == "train"]
+  assert [r["step"] for r in rows] == [1, 2, 3] and [r["skipped"] for r in rows] == [0, 0, 1]
+  assert "loss" in rows[1] and "loss" not in rows[2] and "grad_norm" not in rows[2]
+  for r in rows:
+    assert all(np.isfinite(v) for v in r.values() if isinstance(v, float)), r
+  assert complete_checkpoints(workdir) == [2]
+
+
+def test_a_window_leaves_out_the_statistics_of_skipped_steps():
+  from realm_jax.train.pretrain import add_step
+  good = lambda loss: {"loss_sum": np.float32(loss), "grad_norm": np.float32(2 * loss),
+                       "skipped": np.float32(0)}
+  bad = {"loss_sum": np.float32(np.nan), "grad_norm": np.float32(np.inf), "skipped": np.float32(1)}
+  sums = None
+  for out in (good(1.0), bad, good(3.0), bad):
+    sums = add_step(sums, out)
+  assert {k: float(v) for k, v in sums.items()} == {
+      "loss_sum": 4.0, "grad_norm": 8.0, "skipped": 2.0, "good_steps": 2.0}
+  only_bad = add_step(None, bad)
+  assert float(only_bad["good_steps"]) == 0 and float(only_bad["skipped"]) == 1
+  assert np.isfinite(float(only_bad["loss_sum"]))
+
+
 def read_rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f if line.strip()]

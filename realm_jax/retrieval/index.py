@@ -11,7 +11,9 @@ top-k queries in one of three ways:
   float32 re-scoring of its candidates against the stored embeddings.
 
 Every searcher can exclude given block ids per query (REALM drops the block a masked sentence came
-from), and never returns padding rows. An index is saved as `index.safetensors` + `manifest.json`
+from), and never returns padding or excluded rows, even for queries with non-finite values (whose
+NaN or infinite scores rank below every finite one: a diverged model still gets valid rows, and
+its step fails on its own loss, not on an index error). An index is saved as `index.safetensors` + `manifest.json`
 (locally: written into a temporary directory and renamed into place; on gs://: the manifest
 uploaded last, see realm_jax/io_utils.py), and counts as saved only once its manifest exists.
 `publish_index` / `latest_index_dir` keep a `LATEST` pointer next to numbered index directories for
@@ -64,8 +66,8 @@ def _sharded_top_k(emb, queries, exclude_rows, k, *, count, mesh, recall_target,
   local_k = min(k, shard_rows)
 
   def local_top_k(emb, queries, exclude_rows):
-    scores = jnp.einsum("qd,nd->qn", queries, emb, precision=precision,
-                        preferred_element_type=jnp.float32)  # [Q, S]
+    scores = _finite(jnp.einsum("qd,nd->qn", queries, emb, precision=precision,
+                                preferred_element_type=jnp.float32))  # [Q, S]
     start = jax.lax.axis_index("data") * shard_rows
     scores = jnp.where(start + jnp.arange(shard_rows) < count, scores, -jnp.inf)
     local = exclude_rows - start  # [Q, E]
@@ -86,6 +88,14 @@ def _sharded_top_k(emb, queries, exclude_rows, k, *, count, mesh, recall_target,
   return top_scores, jnp.take_along_axis(rows, pos, axis=1)
 
 
+def _finite(scores):
+  """NaN and infinite scores as the lowest finite float32, below every real score but above the
+  -inf that marks padding and excluded rows (jnp or np arrays)."""
+  xp = jnp if isinstance(scores, jax.Array) else np
+  lowest = np.finfo(np.float32).min
+  return xp.nan_to_num(scores, nan=lowest, posinf=lowest, neginf=lowest)
+
+
 def brute_force_top_k(queries: np.ndarray, embeddings: np.ndarray, k: int,
                       exclude_rows: np.ndarray | None = None, batch_size: int = 256):
   """Exact top-k in numpy: float32 matmul + argpartition, `batch_size` queries at a time.
@@ -104,7 +114,8 @@ def brute_force_top_k(queries: np.ndarray, embeddings: np.ndarray, k: int,
   out_scores = np.empty((len(queries), k), np.float32)
   out_rows = np.empty((len(queries), k), np.int64)
   for lo in range(0, len(queries), batch_size):
-    scores = queries[lo:lo + batch_size].astype(np.float32) @ emb.T  # [B, N]
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite queries: see _finite
+      scores = _finite(queries[lo:lo + batch_size].astype(np.float32) @ emb.T)  # [B, N]
     if exclude_rows is not None:
       q, e = np.nonzero(exclude_rows[lo:lo + batch_size] >= 0)
       scores[q, exclude_rows[lo + q, e]] = -np.inf
@@ -322,7 +333,8 @@ class DocIndex:
         batch_size=-(-len(queries) // (os.cpu_count() or 1)))  # a share of the queries per core
     rows = rows.astype(np.int64)  # [Q, C]
     emb = self._host_emb[rows].astype(np.float32)  # [Q, C, D]
-    scores = np.einsum("qd,qcd->qc", queries, emb)
+    with np.errstate(invalid="ignore", over="ignore"):
+      scores = _finite(np.einsum("qd,qcd->qc", queries, emb))
     # ScaNN pads with NaN distances when its searched leaves hold fewer than C rows.
     drop = np.isnan(dist) | (rows[:, :, None] == exclude_rows[:, None, :]).any(-1)
     scores[drop] = -np.inf

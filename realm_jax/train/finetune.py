@@ -44,7 +44,7 @@ from realm_jax.retrieval.index import latest_index_dir
 from realm_jax.train import checkpoints, optimizer
 from realm_jax.train.init import overlay
 from realm_jax.train.metrics_writer import MetricsWriter
-from realm_jax.train.pretrain import check_workdir_config, count_bad_steps
+from realm_jax.train.pretrain import add_step, check_workdir_config, count_bad_steps
 from realm_jax.train.qa_step import QaModels, TrainState, qa_params, qa_train_step, summarize_qa
 
 _FIXED = ("retrieval", "reader_weights", "reader_layers", "span_hidden_size", "max_span_width",
@@ -413,7 +413,7 @@ class QaTrainer:
       out = jax.device_get(out)
       self.bad_steps = count_bad_steps(self.bad_steps, out["skipped"], step, c.max_bad_steps,
                                        self.workdir)
-      sums = out if sums is None else jax.tree.map(np.add, sums, out)
+      sums = add_step(sums, out)
       window_q += c.batch_size
       window_seen += examined
       self.seen += examined
@@ -421,15 +421,19 @@ class QaTrainer:
       bar.update(1)
       if done % c.log_every == 0 or done == c.num_steps:
         elapsed = time.perf_counter() - window_start
-        metrics = summarize_qa(sums)
-        metrics["grad_norm"] = float(sums["grad_norm"]) / (window_q // c.batch_size)
+        good = float(sums["good_steps"])  # 0: every step of the window was skipped
+        metrics = summarize_qa(sums) if good else {"skipped": float(sums["skipped"])}
+        if good:
+          metrics["grad_norm"] = float(sums["grad_norm"]) / good
         metrics.update(learning_rate=float(self.schedules["query_tower"](step)),
                        reader_learning_rate=float(self.schedules["reader"](step)),
                        questions_per_s=window_q / elapsed,
                        answerable_share=window_q / max(window_seen, 1))
         self.metrics.write(done, metrics, "train")
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", in_read=f"{metrics['answer_in_read']:.2f}",
-                        em_proxy=f"{metrics['reader_em_proxy']:.2f}",
+        nan = float("nan")
+        bar.set_postfix(loss=f"{metrics.get('loss', nan):.3f}",
+                        in_read=f"{metrics.get('answer_in_read', nan):.2f}",
+                        em_proxy=f"{metrics.get('reader_em_proxy', nan):.2f}",
                         q_s=f"{metrics['questions_per_s']:.1f}")
         sums, window_start, window_q, window_seen = None, time.perf_counter(), 0, 0
       if c.eval_every and (done % c.eval_every == 0 or done == c.num_steps):

@@ -42,7 +42,7 @@ from realm_jax.text import BertTokenizer, join_bert
 from realm_jax.train import checkpoints, optimizer
 from realm_jax.train.init import overlay, sized_model_config
 from realm_jax.train.metrics_writer import MetricsWriter
-from realm_jax.train.pretrain import (check_workdir_config, count_bad_steps,
+from realm_jax.train.pretrain import (add_step, check_workdir_config, count_bad_steps,
                                       maybe_initialize_distributed)
 from realm_jax.train.realm_step import TrainState, loss_step
 
@@ -404,16 +404,20 @@ class ICTTrainer:
       window_time += time.perf_counter() - start
       self.bad_steps = count_bad_steps(self.bad_steps, out["skipped"], step, c.max_bad_steps,
                                        self.workdir)
-      sums = out if sums is None else jax.tree.map(np.add, sums, out)
+      sums = add_step(sums, out)
       window_steps += 1
       done = step + 1
       bar.update(1)
       if done % c.log_every == 0 or done == c.num_steps:
-        metrics = {k: float(v) / window_steps for k, v in sums.items() if k != "skipped"}
+        good = float(sums["good_steps"])  # 0: every step of the window was skipped
+        metrics = {k: float(v) / good for k, v in sums.items()
+                   if good and k not in ("skipped", "good_steps")}
         metrics.update(skipped=float(sums["skipped"]), learning_rate=float(self.schedule(step)),
                        examples_per_s=window_steps * c.batch_size / window_time)
         self.log(done, metrics, "train")
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}",
+        nan = float("nan")
+        bar.set_postfix(loss=f"{metrics.get('loss', nan):.3f}",
+                        acc=f"{metrics.get('accuracy', nan):.3f}",
                         ex_s=f"{metrics['examples_per_s']:.1f}")
         sums, window_time, window_steps = None, 0.0, 0
       if c.eval_every and (done % c.eval_every == 0 or done == c.num_steps):

@@ -96,6 +96,20 @@ def _open_data(config, workdir: str, vocab_file: str):
   return corpus, tokenizer, examples_dir
 
 
+def add_step(sums: dict | None, out: dict) -> dict:
+  """Adds one step's outputs to its logging window's sums (None: the window's first step).
+
+  A skipped step (non-finite loss or gradient) adds only to `skipped`: its statistics are NaN and
+  would make every average of the window NaN. `good_steps` counts the other steps, the divisor of
+  per-step means such as the gradient norm.
+  """
+  skipped = bool(out["skipped"])
+  out = {k: (v if k == "skipped" or not skipped else jax.tree.map(np.zeros_like, v))
+         for k, v in out.items()}
+  out["good_steps"] = np.float32(not skipped)
+  return out if sums is None else jax.tree.map(np.add, sums, out)
+
+
 def count_bad_steps(bad_steps: int, skipped: float, step: int, max_bad_steps: int,
                     workdir: str) -> int:
   """The count of consecutive skipped (non-finite) steps after this one; logs each, and stops the
@@ -304,7 +318,7 @@ class Trainer:
       out = jax.device_get(out)
       self.bad_steps = count_bad_steps(self.bad_steps, out["skipped"], step, c.max_bad_steps,
                                        self.workdir)
-      sums = out if sums is None else jax.tree.map(np.add, sums, out)
+      sums = add_step(sums, out)
       if step == start_step and (peak := memory.device_peak_bytes()) is not None:
         logging.info("Device memory after the first step: %.2f GiB peak (estimated %.2f GiB).",
                      peak / memory.GIB, self.memory_estimate["total"] / memory.GIB)
@@ -313,15 +327,19 @@ class Trainer:
       bar.update(1)
       if done % c.log_every == 0 or done == c.num_steps:
         elapsed = time.perf_counter() - window_start
-        metrics = summarize(sums)
-        metrics["grad_norm"] = float(sums["grad_norm"]) / (window_examples // c.batch_size)
+        good = float(sums["good_steps"])  # 0: every step of the window was skipped
+        metrics = summarize(sums) if good else {}
+        if good:
+          metrics["grad_norm"] = float(sums["grad_norm"]) / good
         metrics["skipped"] = float(sums["skipped"])
         metrics.update(learning_rate=float(self.schedule(step)),
                        index_staleness=float(done - 1 - index_step(self.index_path)),
                        examples_per_s=window_examples / elapsed)
         self.log(done, metrics, "train")
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}",
-                        utility=f"{metrics['retrieval_utility']:.3f}",
+        nan = float("nan")
+        bar.set_postfix(loss=f"{metrics.get('loss', nan):.3f}",
+                        acc=f"{metrics.get('accuracy', nan):.3f}",
+                        utility=f"{metrics.get('retrieval_utility', nan):.3f}",
                         ex_s=f"{metrics['examples_per_s']:.1f}")
         sums, window_start, window_examples = None, time.perf_counter(), 0
       if done % c.eval_every == 0 or done == c.num_steps:

@@ -183,6 +183,9 @@ def loss_step(state: TrainState, loss_fn, rng: Array, dropout: bool = True):
 def guarded_update(state: TrainState, loss: Array, grads) -> tuple[TrainState, dict]:
   """Applies `grads` unless the loss or gradient is not finite; the step counter advances anyway.
 
+  A skipped step keeps the parameters and Adam's moments and count, but the learning-rate
+  schedules' counts advance with the step (as a PyTorch scheduler does when the optimizer step is
+  skipped), so the rate in use stays schedule(step), the one logged, and reaches 0 at the end.
   Returns (state, {"grad_norm", "skipped"}) with skipped = 1.0 for a step that changed nothing.
   """
   grad_norm = optax.tree.norm(grads)
@@ -190,8 +193,11 @@ def guarded_update(state: TrainState, loss: Array, grads) -> tuple[TrainState, d
   params = optax.apply_updates(state.params, updates)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+  keep_opt = lambda new, old: new if is_schedule(old) else keep(new, old)
   state = state.replace(step=state.step + 1, params=keep(params, state.params),
-                        opt_state=keep(opt_state, state.opt_state))
+                        opt_state=jax.tree.map(keep_opt, opt_state, state.opt_state,
+                                               is_leaf=is_schedule))
   return state, {"grad_norm": grad_norm, "skipped": 1.0 - finite.astype(jnp.float32)}
 
 
