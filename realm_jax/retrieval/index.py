@@ -13,9 +13,10 @@ top-k queries in one of three ways:
 Every searcher can exclude given block ids per query (REALM drops the block a masked sentence came
 from), and never returns padding or excluded rows, even for queries with non-finite values (whose
 NaN or infinite scores rank below every finite one: a diverged model still gets valid rows, and
-its step fails on its own loss, not on an index error). An index is saved as `index.safetensors` + `manifest.json`
-(locally: written into a temporary directory and renamed into place; on gs://: the manifest
-uploaded last, see realm_jax/io_utils.py), and counts as saved only once its manifest exists.
+its step fails on its own loss, not on an index error). An index is saved as `index.safetensors`
++ `manifest.json` (locally: written into a temporary directory and renamed into place; on gs://:
+the manifest uploaded last, see realm_jax/io_utils.py), and counts as saved only once its manifest
+exists.
 `publish_index` / `latest_index_dir` keep a `LATEST` pointer next to numbered index directories for
 an asynchronously refreshed index.
 """
