@@ -83,6 +83,33 @@ def test_reader_layout_and_block_mask(batcher, tok):
   assert lay.n_title == 0 and lay.body_start == len(q) + 2
 
 
+def test_reader_without_titles_reads_and_searches_the_body_only(batcher, tok):
+  """reader_title=False (the paper config: ORQA/REALM's `[CLS] q [SEP] block [SEP]`, 320 pieces):
+  the title is not read, no gold span or has-answer comes from it; the body's still do."""
+  from realm_jax.configs.finetune import get_config
+  paper = get_config("paper")
+  assert paper.reader_length == 320 and not paper.reader_title
+  bare = QaBatcher(batcher.corpus, tok, question_length=16, reader_length=64, max_answer_spans=4,
+                   max_span_width=6, length_multiple=16, reader_title=False)
+  q = bare.question_ids("who wrote on the origin of species")
+  one, lay = bare.reader_row(q, 0, 64)
+  n = int(one["attention_mask"].sum())
+  assert list(one["input_ids"][:n]) == [tok.cls_id, *q, tok.sep_id, *tok.encode(BLOCKS[0][1]),
+                                        tok.sep_id]
+  assert lay.n_title == 0 and lay.body_start == len(q) + 2
+  assert one["block_mask"].sum() == lay.n_body == len(tok.encode(BLOCKS[0][1]))
+  # "Charles Darwin" is the title (the body says "Charles Robert Darwin"): found with titles only.
+  _, titled = batcher.reader_row(q, 0, 64)
+  assert batcher.gold_spans(0, titled, ["Charles Darwin"], "text") != []
+  assert bare.gold_spans(0, lay, ["Charles Darwin"], "text") == []
+  assert batcher.has_answer(0, ["Charles Darwin"], "text")
+  assert not bare.has_answer(0, ["Charles Darwin"], "text")
+  assert not bare.has_answer(0, [r"Charles\s+Darwin"], "regex")
+  assert bare.has_answer(0, ["origin of species"], "text")
+  spans = bare.gold_spans(0, lay, ["1859"], "text")
+  assert [tok.decode(one["input_ids"][s:e + 1]) for s, e in spans] == ["1859"]
+
+
 def test_gold_spans_text_and_regex(batcher, tok):
   q = batcher.question_ids("who wrote on the origin of species")
   one, lay = batcher.reader_row(q, 0, 64)

@@ -45,6 +45,7 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
   c.reader_blocks = 5             # the beam's first R blocks are read
   c.question_length = 64
   c.reader_length = 288           # [CLS] q [SEP] title [SEP] body [SEP]
+  c.reader_title = True           # False: [CLS] q [SEP] body [SEP] (ORQA/REALM's reader layout)
   c.max_answer_spans = 8          # gold spans kept per block
   c.skip_unanswerable = True      # drop questions with no answer in their beam (zero gradient)
 
@@ -102,6 +103,8 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
     c.retrieval.max_length = 288
     c.retrieval.truncate = "b"
     c.score_scale = 1.0
+    c.reader_length = 320         # 288 + 32: the block and the question, no title
+    c.reader_title = False
     c.reader_weights = ""         # required: the pre-trained encoder / reader directory
     c.data.splits = ("train",)
     c.data.test_percent = 0.0     # evaluate on the official dev (= ORQA's test) instead

@@ -1,19 +1,22 @@
 """Reader inputs and open-QA fine-tuning batches: questions + their retrieved beam -> arrays.
 
-Reader input of (question, block), as in ORQA/REALM with the block's title kept (titles often
-*are* the answer):
+Reader input of (question, block), with the block's title kept by default (titles often *are*
+the answer):
     [CLS] question [SEP] title [SEP] body [SEP]        (token types 0 ... 0 | 1 ... 1)
-or `[CLS] question [SEP] body [SEP]` for a block without a title. `block_mask` is 1 on the title
-and body word pieces only, so every span the reader scores lies inside the title or inside the
-body (the reader refuses a span over the hole at the [SEP] between them). The body is cut to fit
-`reader_length`; the question to `question_length`.
+or `[CLS] question [SEP] body [SEP]` for a block without a title, and for every block with
+`reader_title=False`, the layout of ORQA/REALM's reader (320 = 288 + 32 word pieces; the title is
+then neither read nor searched for answers). `block_mask` is 1 on the title and body word pieces
+only, so every span the reader scores lies inside the title or inside the body (the reader
+refuses a span over the hole at the [SEP] between them). The body is cut to fit `reader_length`;
+the question to `question_length`.
 
 Gold spans: every occurrence in the title or the (cut) body of an answer's word pieces: of the
 answer as written and of its normalised form (articles and punctuation dropped), as ORQA matched
 answers by tokens. CuratedTREC answers are regular expressions: their matches in the block's
 text are mapped to word pieces through the tokenizer's character offsets. A block "has an
-answer" (the retriever's positives) when the normalised answer occurs in its normalised text,
-or a pattern matches it: the definition of recall@k (realm_jax/eval/answers.py).
+answer" (the retriever's positives) when the normalised answer occurs in its normalised text
+(title + body, or the body alone without `reader_title`), or a pattern matches it: the definition
+of recall@k (realm_jax/eval/answers.py).
 
 Inputs are padded to the longest in the batch rounded up to `length_multiple`, so a batch of
 short blocks does not pay for `reader_length` (one compiled step per length bucket).
@@ -135,11 +138,13 @@ class QaBatcher:
       dropped.
     length_multiple: reader inputs are padded to a multiple of this.
     question_multiple: question inputs are padded to a multiple of this.
+    reader_title: read each block's title before its body (False: the body alone, as ORQA and
+      REALM's reader; answers are then looked for in the body only).
   """
 
   def __init__(self, corpus, tokenizer: BertTokenizer, *, question_length: int = 64,
                reader_length: int = 288, max_answer_spans: int = 8, max_span_width: int = 10,
-               length_multiple: int = 32, question_multiple: int = 8):
+               length_multiple: int = 32, question_multiple: int = 8, reader_title: bool = True):
     if reader_length < question_length + 4:
       raise ValueError(f"reader_length={reader_length} leaves no room for a block after a question "
                        f"of up to question_length={question_length} pieces.")
@@ -147,10 +152,11 @@ class QaBatcher:
     self.question_length, self.reader_length = question_length, reader_length
     self.max_answer_spans, self.max_span_width = max_answer_spans, max_span_width
     self.length_multiple, self.question_multiple = length_multiple, question_multiple
+    self.reader_title = reader_title
     self._continuation = tokenizer.continuation
     self._block = functools.lru_cache(maxsize=65_536)(self._load_block)
     self._normalized = functools.lru_cache(maxsize=65_536)(
-        lambda row: normalize_answer(self._block(row)["text"]))
+        lambda row: normalize_answer(self._answer_text(row)))
 
   # ------------------------------------------------------------------------------- blocks
   def _load_block(self, row: int) -> dict:
@@ -171,15 +177,20 @@ class QaBatcher:
       raise ValueError(f"The question {question!r} has no word pieces.")
     return ids[:self.question_length - 2]
 
+  def _answer_text(self, row: int) -> str:
+    """The text the reader sees of a block, where its answers are looked for."""
+    b = self.block(row)
+    return b["text"] if self.reader_title else b["body"]
+
   def has_answer(self, row: int, answers: Sequence[str], answer_type: str) -> bool:
     if answer_type == "regex":
-      return regex_match(self.block(row)["text"], answers)
+      return regex_match(self._answer_text(row), answers)
     return has_answer("", answers, normalized_text=self._normalized(int(row)))
 
   # ----------------------------------------------------------------------- reader inputs
   def layout(self, q_ids: Sequence[int], row: int) -> ReaderLayout:
     b = self.block(row)
-    title = b["title_ids"]
+    title = b["title_ids"] if self.reader_title else []
     title_start = len(q_ids) + 2
     body_start = title_start + len(title) + (1 if title else 0)
     n_body = max(0, min(len(b["body_ids"]), self.reader_length - body_start - 1))

@@ -178,7 +178,8 @@ class QaSetup:
     self.batcher = QaBatcher(self.corpus, self.tokenizer, question_length=config.question_length,
                              reader_length=config.reader_length,
                              max_answer_spans=config.max_answer_spans,
-                             max_span_width=config.max_span_width)
+                             max_span_width=config.max_span_width,
+                             reader_title=config.get("reader_title", True))
 
   def system(self, params) -> OpenQa:
     return OpenQa(self.batcher, self.models, params, self.index, self.table,
