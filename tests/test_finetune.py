@@ -201,3 +201,22 @@ def test_curated_trec_style_questions_are_matched_not_compared(run, tmp_path):
                      re.I) is not None for b in p["retrieved"][:5]] for p, q in zip(preds, questions)]
   assert results["finetuned"]["recall"][5] == pytest.approx(100.0 * np.mean([any(h) for h in hits]))
   assert results["finetuned"]["recall"][5] > 0  # "what is <title>" finds its own article
+
+
+def test_a_workdir_keeps_its_reader_layout(tmp_path):
+  """reader_title and reader_length change every reader input and positive: a run made without
+  the reader_title setting (titles read) resumes with the default and is refused with titles
+  off, as is another reader_length."""
+  from realm_jax.train.pretrain import check_workdir_config
+  config = get_config("wiki_vital")
+  check_workdir_config(config, str(tmp_path), finetune._FIXED)
+  saved = json.loads((tmp_path / "config.json").read_text())
+  del saved["reader_title"]
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  check_workdir_config(config, str(tmp_path), finetune._FIXED)
+  for key, value in (("reader_title", False), ("reader_length", 320)):
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    other = get_config("wiki_vital")
+    other[key] = value
+    with pytest.raises(ValueError, match=rf"another config \({key} differ"):
+      check_workdir_config(other, str(tmp_path), finetune._FIXED)

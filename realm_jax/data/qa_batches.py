@@ -15,8 +15,9 @@ answer as written and of its normalised form (articles and punctuation dropped),
 answers by tokens. CuratedTREC answers are regular expressions: their matches in the block's
 text are mapped to word pieces through the tokenizer's character offsets. A block "has an
 answer" (the retriever's positives) when the normalised answer occurs in its normalised text
-(title + body, or the body alone without `reader_title`), or a pattern matches it: the definition
-of recall@k (realm_jax/eval/answers.py).
+(title + body, or the body alone without `reader_title`), or a pattern matches it
+(realm_jax/eval/answers.py): the definition of open-QA recall@k (realm_jax/eval/open_qa.py). The
+recall that `build_index.py` reports (realm_jax/eval/retrieval.py) always matches title + body.
 
 Inputs are padded to the longest in the batch rounded up to `length_multiple`, so a batch of
 short blocks does not pay for `reader_length` (one compiled step per length bucket).

@@ -48,7 +48,7 @@ from realm_jax.train.pretrain import add_step, check_workdir_config, count_bad_s
 from realm_jax.train.qa_step import QaModels, TrainState, qa_params, qa_train_step, summarize_qa
 
 _FIXED = ("retrieval", "reader_weights", "reader_layers", "span_hidden_size", "max_span_width",
-          "data")
+          "data", "reader_title", "reader_length")
 BEST = "best"
 NO_BEST = {"dev_em": -1.0, "dev_recall": -1.0, "step": -1}
 

@@ -45,7 +45,7 @@ from realm_jax.retrieval.index import latest_index_dir
 _FIXED = ("init", "model", "num_layers", "share_embedders", "retriever_learning_rate", "corpus",
           "query_length", "max_masked", "tagger", "heldout_percent")
 # Fixed settings added later, and the value that runs (or configs) without them use.
-_ADDED = {"retriever_learning_rate": -1.0}
+_ADDED = {"retriever_learning_rate": -1.0, "reader_title": True}
 
 
 def maybe_initialize_distributed(enabled: bool) -> None:
