@@ -44,7 +44,8 @@ from realm_jax.retrieval.index import latest_index_dir
 from realm_jax.train import checkpoints, optimizer
 from realm_jax.train.init import overlay
 from realm_jax.train.metrics_writer import MetricsWriter
-from realm_jax.train.pretrain import add_step, check_workdir_config, count_bad_steps
+from realm_jax.train.pretrain import (add_step, check_workdir_config, count_bad_steps,
+                                      window_metrics)
 from realm_jax.train.qa_step import QaModels, TrainState, qa_params, qa_train_step, summarize_qa
 
 _FIXED = ("retrieval", "reader_weights", "reader_layers", "span_hidden_size", "max_span_width",
@@ -422,10 +423,7 @@ class QaTrainer:
       bar.update(1)
       if done % c.log_every == 0 or done == c.num_steps:
         elapsed = time.perf_counter() - window_start
-        good = float(sums["good_steps"])  # 0: every step of the window was skipped
-        metrics = summarize_qa(sums) if good else {"skipped": float(sums["skipped"])}
-        if good:
-          metrics["grad_norm"] = float(sums["grad_norm"]) / good
+        metrics = window_metrics(sums, summarize_qa)
         metrics.update(learning_rate=float(self.schedules["query_tower"](step)),
                        reader_learning_rate=float(self.schedules["reader"](step)),
                        questions_per_s=window_q / elapsed,

@@ -43,7 +43,7 @@ from realm_jax.train import checkpoints, optimizer
 from realm_jax.train.init import overlay, sized_model_config
 from realm_jax.train.metrics_writer import MetricsWriter
 from realm_jax.train.pretrain import (add_step, check_workdir_config, count_bad_steps,
-                                      maybe_initialize_distributed)
+                                      maybe_initialize_distributed, window_metrics)
 from realm_jax.train.realm_step import TrainState, loss_step
 
 Array = jax.Array
@@ -409,10 +409,10 @@ class ICTTrainer:
       done = step + 1
       bar.update(1)
       if done % c.log_every == 0 or done == c.num_steps:
-        good = float(sums["good_steps"])  # 0: every step of the window was skipped
-        metrics = {k: float(v) / good for k, v in sums.items()
-                   if good and k not in ("skipped", "good_steps")}
-        metrics.update(skipped=float(sums["skipped"]), learning_rate=float(self.schedule(step)),
+        metrics = window_metrics(sums, lambda s: {  # per-step means over the good steps
+            k: float(v) / float(s["good_steps"]) for k, v in s.items()
+            if k not in ("skipped", "good_steps")})
+        metrics.update(learning_rate=float(self.schedule(step)),
                        examples_per_s=window_steps * c.batch_size / window_time)
         self.log(done, metrics, "train")
         nan = float("nan")

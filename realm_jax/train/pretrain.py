@@ -110,6 +110,16 @@ def add_step(sums: dict | None, out: dict) -> dict:
   return out if sums is None else jax.tree.map(np.add, sums, out)
 
 
+def window_metrics(sums: dict, summarize) -> dict[str, float]:
+  """A logging window's metrics from `add_step` sums: `summarize(sums)` with the gradient norm
+  averaged over the window's good steps, and the count of skipped ones (only that count when every
+  step was skipped)."""
+  good = float(sums["good_steps"])
+  out = {**summarize(sums), "grad_norm": float(sums["grad_norm"]) / good} if good else {}
+  out["skipped"] = float(sums["skipped"])
+  return out
+
+
 def count_bad_steps(bad_steps: int, skipped: float, step: int, max_bad_steps: int,
                     workdir: str) -> int:
   """The count of consecutive skipped (non-finite) steps after this one; logs each, and stops the
@@ -327,11 +337,7 @@ class Trainer:
       bar.update(1)
       if done % c.log_every == 0 or done == c.num_steps:
         elapsed = time.perf_counter() - window_start
-        good = float(sums["good_steps"])  # 0: every step of the window was skipped
-        metrics = summarize(sums) if good else {}
-        if good:
-          metrics["grad_norm"] = float(sums["grad_norm"]) / good
-        metrics["skipped"] = float(sums["skipped"])
+        metrics = window_metrics(sums, summarize)
         metrics.update(learning_rate=float(self.schedule(step)),
                        index_staleness=float(done - 1 - index_step(self.index_path)),
                        examples_per_s=window_examples / elapsed)
