@@ -5,6 +5,7 @@
   python benchmarks/search.py --embeddings=work/wiki_vital_minilm/index/index-00000000 \
       --questions=../shared/data/nq_open/NQ-open.dev.jsonl   # the real corpus, real questions
   python benchmarks/search.py ... --scann_trees=100:10,100:30   # also ScaNN with these trees
+  python benchmarks/search.py ... --scann_dims_per_block=2,4     # ScaNN rows for each code size
 
 Each method indexes the same [N, D] float32 vectors and answers the same queries for the top
 `--k`; recall@k is measured against numpy brute force (float32 matmul + argpartition). Every
@@ -82,6 +83,9 @@ def main():
   p.add_argument("--scann_trees", default="",
                  help="more ScaNN rows, comma-separated LEAVES:SEARCHED tree settings (e.g. "
                       "100:10,100:30); the library's default is always measured")
+  p.add_argument("--scann_dims_per_block", default="2",
+                 help="comma-separated dimensions per 4-bit ScaNN code; every ScaNN row (no "
+                      "tree and each of --scann_trees) is measured with each")
   args = p.parse_args()
   try:
     trees = [tuple(int(x) for x in t.split(":")) for t in filter(None, args.scann_trees.split(","))]
@@ -90,6 +94,13 @@ def main():
   except ValueError:
     p.error(f"--scann_trees={args.scann_trees!r}: give LEAVES:SEARCHED pairs with "
             "1 <= SEARCHED <= LEAVES, e.g. 100:10,100:30.")
+  try:
+    code_sizes = [int(x) for x in args.scann_dims_per_block.split(",")]
+    if not code_sizes or min(code_sizes) < 1:
+      raise ValueError
+  except ValueError:
+    p.error(f"--scann_dims_per_block={args.scann_dims_per_block!r}: give positive whole numbers, "
+            "e.g. 2,4.")
 
   import jax
 
@@ -108,11 +119,12 @@ def main():
       "exact float32": dict(searcher="exact"),
       "exact bfloat16": dict(searcher="exact", dtype="bfloat16"),
       "approx float32 (recall_target 0.95)": dict(searcher="approx"),
-      "scann + exact re-scoring": dict(searcher="scann"),
   }
-  for leaves, searched in trees:
-    methods[f"scann + exact re-scoring, tree {leaves}:{searched}"] = dict(
-        searcher="scann", num_leaves=leaves, num_leaves_to_search=searched)
+  for dims in code_sizes:
+    methods[f"scann, {dims} dims per code"] = dict(searcher="scann", dims_per_block=dims)
+    for leaves, searched in trees:
+      methods[f"scann, {dims} dims per code, tree {leaves}:{searched}"] = dict(
+          searcher="scann", dims_per_block=dims, num_leaves=leaves, num_leaves_to_search=searched)
   skip = set(filter(None, args.skip.split(",")))
   for name, options in methods.items():
     if options["searcher"] in skip:
@@ -129,7 +141,8 @@ def main():
       tree = (f"{settings['num_leaves']} leaves, {settings['num_leaves_to_search']} searched"
               if settings["num_leaves"] > 1 else "no tree")
       name = "scann + exact re-scoring"
-      name += f" ({tree}, {settings['reorder_num_neighbors']} re-ordered)"
+      name += (f" ({tree}, {settings['dims_per_block']} dims per code, "
+               f"{settings['reorder_num_neighbors']} re-ordered)")
     rows.append((f"realm_jax {name}", build, seconds, recall))
     del index
 

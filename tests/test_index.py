@@ -166,10 +166,12 @@ def scann_case():
   # A tree as REALM's (sqrt(N) leaves, a tenth searched); the default for 20k rows has none.
   tree = DocIndex(emb, ids, "scann", num_leaves=141, num_leaves_to_search=14)
   return dict(tree=tree, default=DocIndex(emb, ids, "scann"), exact=DocIndex(emb, ids),
+              # Codes half the size: a coarser first pass, corrected by re-ordering more rows.
+              coarse=DocIndex(emb, ids, "scann", dims_per_block=4, reorder_num_neighbors=200),
               queries=queries, sources=ids[sources])
 
 
-@pytest.mark.parametrize("variant", ["tree", "default"])
+@pytest.mark.parametrize("variant", ["tree", "default", "coarse"])
 def test_scann_recall(scann_case, variant):
   exact_scores, exact_ids = scann_case["exact"].search(scann_case["queries"], 10)
   scores, found = scann_case[variant].search(scann_case["queries"], 10)
@@ -187,6 +189,14 @@ def test_scann_excludes_blocks(scann_case):
   _, found = scann_index.search(queries, 10, exclude_ids=sources)
   assert not (found == sources[:, None]).any()
   assert recall(found, exact_index.search(queries, 10, exclude_ids=sources)[1]) >= 0.95
+
+
+def test_scann_rejects_bad_dims_per_block():
+  pytest.importorskip("scann")
+  emb, ids, _ = untied_data(6, 50, q=1)
+  for bad in (0, emb.shape[1] + 1, 2.5):
+    with pytest.raises(ValueError, match="dims_per_block"):
+      DocIndex(emb, ids, "scann", dims_per_block=bad)
 
 
 def test_scann_too_few_candidates_falls_back_to_exact():

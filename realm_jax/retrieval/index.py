@@ -147,16 +147,24 @@ class DocIndex:
       and re-ordering settings ("scann"). By default no tree up to 100k rows (asymmetric hashing
       scores every row), else sqrt(N) leaves of which a tenth are searched; 100k training points;
       the 100 best hashed scores re-ordered. Raise num_leaves_to_search for recall.
+    dims_per_block: dimensions per 4-bit code of ScaNN's asymmetric hashing ("scann"): 2 (the
+      default) codes a row in D / 4 bytes; 4 halves the codes and the hashed scoring time for a
+      coarser first pass, which the re-ordering then corrects (benchmarks/README.md).
   """
 
   def __init__(self, embeddings: np.ndarray, block_ids: np.ndarray, searcher: str = "exact", *,
                mesh: Mesh | None = None, dtype: str = "float32", precision: str = "highest",
                query_batch_size: int = 256, recall_target: float = 0.95,
                num_leaves: int | None = None, num_leaves_to_search: int | None = None,
-               training_sample_size: int = 100_000, reorder_num_neighbors: int = 100):
+               training_sample_size: int = 100_000, reorder_num_neighbors: int = 100,
+               dims_per_block: int = 2):
     embeddings, block_ids = np.asarray(embeddings), np.asarray(block_ids)
     if searcher not in SEARCHERS:
       raise ValueError(f"Unknown searcher {searcher!r}: use one of {SEARCHERS}.")
+    if searcher == "scann" and not (isinstance(dims_per_block, (int, np.integer))
+                                    and 1 <= dims_per_block <= max(1, np.shape(embeddings)[-1])):
+      raise ValueError(f"dims_per_block={dims_per_block!r}: give a whole number of dimensions per "
+                       f"ScaNN code between 1 and the embedding dimension (2 by default).")
     if str(dtype) not in DTYPES:
       raise ValueError(f"Unknown storage dtype {dtype!r}: use one of {tuple(DTYPES)}.")
     if embeddings.ndim != 2:
@@ -189,7 +197,7 @@ class DocIndex:
     if searcher == "scann":
       self._host_emb = embeddings.astype(self.dtype, copy=False)  # [N, D]
       self._scann = self._build_scann(num_leaves, num_leaves_to_search, training_sample_size,
-                                      reorder_num_neighbors)
+                                      reorder_num_neighbors, int(dims_per_block))
       self._reorder_num_neighbors = reorder_num_neighbors
     else:
       self._init_device(embeddings, mesh, precision,
@@ -219,7 +227,8 @@ class DocIndex:
         static_argnums=3, in_shardings=(sharding, replicated, replicated),
         out_shardings=replicated)
 
-  def _build_scann(self, num_leaves, num_leaves_to_search, training_sample_size, reorder):
+  def _build_scann(self, num_leaves, num_leaves_to_search, training_sample_size, reorder,
+                   dims_per_block):
     import scann  # local: importing ScaNN loads TensorFlow (seconds)
 
     n = self.count
@@ -238,10 +247,10 @@ class DocIndex:
       builder = builder.tree(num_leaves=num_leaves, num_leaves_to_search=num_leaves_to_search,
                              training_sample_size=min(training_sample_size, n))
     searcher = builder.score_ah(
-        2, anisotropic_quantization_threshold=0.2, training_sample_size=min(training_sample_size, n)
-    ).reorder(reorder).build()
+        dims_per_block, anisotropic_quantization_threshold=0.2,
+        training_sample_size=min(training_sample_size, n)).reorder(reorder).build()
     self.scann_settings = dict(num_leaves=num_leaves, num_leaves_to_search=num_leaves_to_search,
-                               reorder_num_neighbors=reorder)
+                               reorder_num_neighbors=reorder, dims_per_block=dims_per_block)
     logging.info("ScaNN over %d rows (%s) built in %.1f s", n, self.scann_settings,
                  time.perf_counter() - start)
     return searcher
