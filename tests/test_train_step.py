@@ -304,13 +304,14 @@ def test_memory_estimate_against_xla():
 
   from realm_jax.configs.pretrain import get_config
   from realm_jax.train import memory
-  c = get_config("tiny")
-  mc = memory.model_config(c)
   from realm_jax.train.init import build_models
-  models, _, _ = build_models(c)
-  real = {n: sum(x.size for x in jax.tree.leaves(_init(m, mc, jax.random.key(0))))
-          for n, m in (("retriever", models.retriever), ("encoder", models.encoder))}
-  for devices in (1, 8):
+  for retriever_layers, devices in ((0, 1), (0, 8), (1, 8)):  # 1: a retriever smaller than 2
+    c = get_config("tiny")
+    c.retriever_num_layers = retriever_layers
+    mc = memory.model_config(c)
+    models, _, _ = build_models(c)
+    real = {n: sum(x.size for x in jax.tree.leaves(_init(m, mc, jax.random.key(0))))
+            for n, m in (("retriever", models.retriever), ("encoder", models.encoder))}
     est = memory.estimate(c, devices, 96, mc)
     assert est["params"] == real
     step = sum(v for k, v in est["parts"].items() if k not in ("index shard", "search scratch"))
@@ -382,3 +383,32 @@ def test_a_new_mlm_head_can_start_from_the_identity(tmp_path):
   models, model_config, _ = build_models(config)
   with pytest.raises(ValueError, match="would overwrite the MLM head of .*e; keep the default"):
     init_params(config, models, model_config, jax.random.key(0))
+
+
+def test_the_retriever_can_keep_fewer_layers_of_the_weights():
+  """config.retriever_num_layers: the retriever keeps the first N of the MiniLM layers the encoder
+  keeps (config.num_layers), with the weights of those layers; more than the encoder is refused."""
+  from flax import traverse_util
+  from realm_jax.checkpoints.minilm import load_minilm
+  from realm_jax.configs.pretrain import get_config
+  from realm_jax.train.init import build_models, init_params
+  config = get_config("demo")
+  config.num_layers, config.retriever_num_layers = 3, 1
+  models, model_config, _ = build_models(config)
+  assert model_config.num_hidden_layers == 3
+  assert models.retriever.config.num_hidden_layers == 1
+  assert models.encoder.config.num_hidden_layers == 3
+  params = init_params(config, models, model_config, jax.random.key(0))
+  layers = lambda tree: sorted(tree["realm"]["encoder"])
+  assert layers(params["retriever"]["embedder"]) == ["layer_0"]
+  assert layers(params["encoder"]) == ["layer_0", "layer_1", "layer_2"]
+  _, bert, _ = load_minilm()
+  want = traverse_util.flatten_dict(bert["encoder"]["layer_0"])
+  for tree in (params["retriever"]["embedder"], params["encoder"]):
+    got = traverse_util.flatten_dict(tree["realm"]["encoder"]["layer_0"])
+    assert got.keys() == want.keys()
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key])
+  config.retriever_num_layers = 4
+  with pytest.raises(ValueError, match="retriever_num_layers=4 is more than the 3 layers"):
+    build_models(config)

@@ -75,6 +75,20 @@ def sized_model_config(config, model_config: RealmConfig) -> RealmConfig:
   return model_config
 
 
+def retriever_model_config(config, model_config: RealmConfig) -> RealmConfig:
+  """The retriever's model config: `model_config` (sized), with only the first
+  config.retriever_num_layers transformer layers if that is > 0 (a smaller retriever than encoder,
+  e.g. the demo's 2 retriever layers beside 6 encoder layers)."""
+  layers = int(config.get("retriever_num_layers", 0))
+  if not layers:
+    return model_config
+  if layers > model_config.num_hidden_layers:
+    raise ValueError(f"config.retriever_num_layers={layers} is more than the "
+                     f"{model_config.num_hidden_layers} layers the encoder keeps (config.num_layers "
+                     "or the weights); the retriever can only keep fewer.")
+  return model_config.replace(num_hidden_layers=layers)
+
+
 def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
   """(models, model config, vocab file) for `config.init`, without weights."""
   if config.init not in INITS:
@@ -101,7 +115,8 @@ def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
 
 
 def make_models(config, model_config: RealmConfig, mask_id: int = -1) -> RealmModels:
-  """The modules of a run of `config` with the given (sized) model config. Pooling follows the
+  """The modules of a run of `config` with the given (sized) model config: the encoder's, and the
+  retriever's unless config.retriever_num_layers keeps fewer of its layers. Pooling follows the
   weights: MiniLM is mean-pooled and L2-normalised, HF REALM uses its projected [CLS], random
   models take config.pooling / config.normalize. With config.query_hides_mask, the query tower
   ignores the [MASK] token `mask_id` (no parameter depends on it)."""
@@ -112,7 +127,8 @@ def make_models(config, model_config: RealmConfig, mask_id: int = -1) -> RealmMo
   else:
     pooling, normalize = config.get("pooling", "projected_cls"), config.get("normalize", False)
   return RealmModels(
-      RealmRetriever(model_config, share_embedders=config.share_embedders, pooling=pooling,
+      RealmRetriever(retriever_model_config(config, model_config),
+                     share_embedders=config.share_embedders, pooling=pooling,
                      normalize=normalize, query_ignore_id=mask_id),
       KnowledgeAugEncoder(model_config), float(config.score_scale))
 
@@ -162,7 +178,8 @@ def init_params(config, models: RealmModels, model_config: RealmConfig, rng) -> 
       params["retriever"][t] = overlay(params["retriever"][t], {"realm": bert}, "MiniLM")
     params["encoder"] = overlay(params["encoder"], {"realm": bert}, "MiniLM")
   elif config.init == "hf":
-    _, retr, _ = load_hf_checkpoint(config.retriever_weights, config=model_config)
+    _, retr, _ = load_hf_checkpoint(config.retriever_weights,
+                                    config=retriever_model_config(config, model_config))
     if "embedder" not in retr:  # an embedder checkpoint: both towers start from it
       retr = {"embedder": retr}
     if config.share_embedders and "query_embedder" in retr:

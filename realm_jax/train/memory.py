@@ -83,9 +83,11 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
   p = sum(counts.values())
   b = -(-config.batch_size // devices)  # examples per device
   k, act = config.num_candidates, 2 if config.dtype == "bfloat16" else 4
+  from realm_jax.train.init import retriever_model_config
+  rc = retriever_model_config(config, mc)  # the retriever may keep fewer layers
   activations = (
-      _bert_activations(b * config.query_length, config.query_length, mc, act)
-      + _bert_activations(b * k * config.doc_length, config.doc_length, mc, act)
+      _bert_activations(b * config.query_length, config.query_length, rc, act)
+      + _bert_activations(b * k * config.doc_length, config.doc_length, rc, act)
       + _bert_activations(b * k * config.joint_length, config.joint_length, mc, act)
       + 2 * b * k * config.max_masked * mc.vocab_size * 4)
   shard_rows = -(-index_rows // devices)

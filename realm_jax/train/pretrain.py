@@ -42,10 +42,11 @@ from realm_jax.retrieval.index import latest_index_dir
 
 # Settings that change the shapes of parameters, of the optimiser state (a separate retriever
 # rate adds a partition) or of the data: a workdir keeps its own.
-_FIXED = ("init", "model", "num_layers", "share_embedders", "retriever_learning_rate", "corpus",
-          "query_length", "max_masked", "tagger", "heldout_percent")
+_FIXED = ("init", "model", "num_layers", "retriever_num_layers", "share_embedders",
+          "retriever_learning_rate", "corpus", "query_length", "max_masked", "tagger",
+          "heldout_percent")
 # Fixed settings added later, and the value that runs (or configs) without them use.
-_ADDED = {"retriever_learning_rate": -1.0, "reader_title": True}
+_ADDED = {"retriever_learning_rate": -1.0, "reader_title": True, "retriever_num_layers": 0}
 
 
 def maybe_initialize_distributed(enabled: bool) -> None:
