@@ -3,6 +3,7 @@
   python experiments/pretrain.py --flagfile=experiments/flags/pretrain_demo.flags   # first
   python benchmarks/demo_evidence.py                     # reads work/pretrain_demo/data
   python benchmarks/demo_evidence.py --layers 2 4 6 --every=1
+  python benchmarks/demo_evidence.py --num_candidates=4   # K - 1 = 3, as benchmarks/README.md
 
 For each training example (every `--every`-th, one span masked as in training) the demo's index
 is built with all-MiniLM-L6-v2 cut to each of `--layers` layers, the K - 1 nearest blocks are
@@ -70,8 +71,14 @@ def main():
   p.add_argument("--layers", type=int, nargs="+", default=[2, 6])
   p.add_argument("--every", type=int, default=2, help="use every n-th training example")
   p.add_argument("--seed", type=int, default=0, help="which span of each example is masked")
+  p.add_argument("--num_candidates", type=int, default=None,
+                 help="K, the null document included (default: the demo's; K - 1 are retrieved)")
   args = p.parse_args()
   config = get_config("demo")
+  if args.num_candidates is not None:
+    if args.num_candidates < 2:
+      p.error(f"--num_candidates={args.num_candidates}: need at least 2 (one retrieved block).")
+    config.num_candidates = args.num_candidates
   data_dir = os.path.join(args.workdir, "data")
   found = sorted(glob.glob(os.path.join(data_dir, "examples-*", "train.array_record")))
   if not found:

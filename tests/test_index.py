@@ -194,7 +194,7 @@ def test_scann_excludes_blocks(scann_case):
 def test_scann_rejects_bad_dims_per_block():
   pytest.importorskip("scann")
   emb, ids, _ = untied_data(6, 50, q=1)
-  for bad in (0, emb.shape[1] + 1, 2.5):
+  for bad in (0, emb.shape[1] + 1, 2.5, True):
     with pytest.raises(ValueError, match="dims_per_block"):
       DocIndex(emb, ids, "scann", dims_per_block=bad)
 

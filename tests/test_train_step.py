@@ -412,3 +412,6 @@ def test_the_retriever_can_keep_fewer_layers_of_the_weights():
   config.retriever_num_layers = 4
   with pytest.raises(ValueError, match="retriever_num_layers=4 is more than the 3 layers"):
     build_models(config)
+  config.retriever_num_layers = -1
+  with pytest.raises(ValueError, match="retriever_num_layers=-1: give 0"):
+    build_models(config)

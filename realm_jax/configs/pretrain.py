@@ -2,8 +2,8 @@
 
 Variants (`--config=realm_jax/configs/pretrain.py:<variant>`):
   demo   the embedded corpus (first 2,000 articles as blocks of <= 64 word pieces), both models
-         from all 6 layers of the installed all-MiniLM-L6-v2, K = 3, on 2 CPU cores in under 10
-         minutes (7 on the current development machine; README):
+         from all 6 layers of the installed all-MiniLM-L6-v2, K = 3, on 2 CPU cores: 7 minutes on
+         the current development machine, ~14 estimated on the earlier, slower one (README):
            python experiments/pretrain.py --flagfile=experiments/flags/pretrain_demo.flags
   tiny   random 2-layer models over 40 articles, for tests (seconds).
   paper  REALM's settings: BERT-base towers and encoder (config.init='hf' with REALM/BERT weights),
@@ -39,7 +39,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.vocab_file = ""               # init=random (or a HF directory without vocab.txt)
   c.model = ml_collections.ConfigDict()   # init=random: RealmConfig fields
   c.num_layers = 0                # >0: keep only the first N transformer layers of the weights
-  c.retriever_num_layers = 0      # >0: the retriever keeps only its first N of those (<= num_layers)
+  c.retriever_num_layers = 0      # >0: the retriever keeps only its first N of those layers
   c.pooling = "projected_cls"     # init=random only; minilm: mean, hf: projected_cls
   c.normalize = False
   c.share_embedders = True

@@ -161,14 +161,16 @@ class DocIndex:
     embeddings, block_ids = np.asarray(embeddings), np.asarray(block_ids)
     if searcher not in SEARCHERS:
       raise ValueError(f"Unknown searcher {searcher!r}: use one of {SEARCHERS}.")
-    if searcher == "scann" and not (isinstance(dims_per_block, (int, np.integer))
-                                    and 1 <= dims_per_block <= max(1, np.shape(embeddings)[-1])):
-      raise ValueError(f"dims_per_block={dims_per_block!r}: give a whole number of dimensions per "
-                       f"ScaNN code between 1 and the embedding dimension (2 by default).")
     if str(dtype) not in DTYPES:
       raise ValueError(f"Unknown storage dtype {dtype!r}: use one of {tuple(DTYPES)}.")
     if embeddings.ndim != 2:
       raise ValueError(f"embeddings must be [N, D]; got shape {embeddings.shape}.")
+    if searcher == "scann" and (isinstance(dims_per_block, bool)
+                                or not isinstance(dims_per_block, (int, np.integer))
+                                or not 1 <= dims_per_block <= embeddings.shape[1]):
+      raise ValueError(f"dims_per_block={dims_per_block!r}: give a whole number of dimensions per "
+                       f"ScaNN code from 1 to the embedding dimension {embeddings.shape[1]} (2 by "
+                       "default).")
     if len(embeddings) == 0:
       raise ValueError("Cannot build an empty index: embeddings has no rows. Embed a corpus first.")
     if len(embeddings) >= 2**31:

@@ -78,14 +78,17 @@ def sized_model_config(config, model_config: RealmConfig) -> RealmConfig:
 def retriever_model_config(config, model_config: RealmConfig) -> RealmConfig:
   """The retriever's model config: `model_config` (sized), with only the first
   config.retriever_num_layers transformer layers if that is > 0 (a smaller retriever than encoder,
-  e.g. the demo's 2 retriever layers beside 6 encoder layers)."""
-  layers = int(config.get("retriever_num_layers", 0))
+  e.g. 2 retriever layers beside 6 encoder layers)."""
+  layers = config.get("retriever_num_layers", 0)
+  if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+    raise ValueError(f"config.retriever_num_layers={layers!r}: give 0 (as many layers as the "
+                     "encoder) or a positive number of layers.")
   if not layers:
     return model_config
   if layers > model_config.num_hidden_layers:
     raise ValueError(f"config.retriever_num_layers={layers} is more than the "
-                     f"{model_config.num_hidden_layers} layers the encoder keeps (config.num_layers "
-                     "or the weights); the retriever can only keep fewer.")
+                     f"{model_config.num_hidden_layers} layers the encoder keeps "
+                     "(config.num_layers or the weights); the retriever can only keep fewer.")
   return model_config.replace(num_hidden_layers=layers)
 
 

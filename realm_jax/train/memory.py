@@ -41,7 +41,8 @@ GIB = 1024**3
 # The blocks of REALM's English Wikipedia (Guu et al. 2020, section 4.1), for runs not built yet.
 WIKIPEDIA_BLOCKS = 13_353_718
 SEARCH_QUERY_BATCH = 256  # DocIndex.query_batch_size
-# XLA:CPU's compiled train step of the tiny and demo configs took up to 1.65x the estimate
+# XLA:CPU's compiled train step of the tiny and earlier 2-layer demo configs took up to 1.65x the
+# estimate
 # (benchmarks/memory.py; benchmarks/README.md): the verdict keeps that margin.
 MARGIN = 1.7
 
