@@ -415,3 +415,36 @@ def test_the_retriever_can_keep_fewer_layers_of_the_weights():
   config.retriever_num_layers = -1
   with pytest.raises(ValueError, match="retriever_num_layers=-1: give 0"):
     build_models(config)
+
+
+def test_a_smaller_retriever_loads_the_first_layers_of_hf_weights(tmp_path):
+  """config.init='hf' with config.retriever_num_layers: the retriever takes the first N layers of
+  a deeper HF retriever checkpoint, the encoder all of its own."""
+  from flax import traverse_util
+  import os
+  from realm_jax.checkpoints import save_hf_checkpoint
+  from realm_jax.checkpoints.hf import abstract_params
+  from realm_jax.checkpoints.minilm import minilm_dir
+  from realm_jax.configs.pretrain import get_config
+  from realm_jax.train.init import build_models, init_params
+  config = get_config("tiny")
+  config.init, config.retriever_num_layers = "hf", 1
+  config.retriever_weights, config.encoder_weights = str(tmp_path / "r"), str(tmp_path / "e")
+  config.vocab_file = os.path.join(minilm_dir(), "vocab.txt")
+  model_config = RealmConfig(**dict(config.model))  # 2 layers
+  rng = np.random.default_rng(0)
+  saved = {}
+  for kind, path in (("retriever", config.retriever_weights), ("encoder", config.encoder_weights)):
+    saved[kind] = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32),
+                               abstract_params(kind, model_config))
+    save_hf_checkpoint(path, model_config, saved[kind], kind)
+  models, got_config, _ = build_models(config)
+  params = init_params(config, models, got_config, jax.random.key(0))
+  embedder = params["retriever"]["embedder"]["realm"]["encoder"]
+  assert sorted(embedder) == ["layer_0"]
+  assert sorted(params["encoder"]["realm"]["encoder"]) == ["layer_0", "layer_1"]
+  want = traverse_util.flatten_dict(saved["retriever"]["embedder"]["realm"]["encoder"]["layer_0"])
+  got = traverse_util.flatten_dict(embedder["layer_0"])
+  assert got.keys() == want.keys()
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key])
