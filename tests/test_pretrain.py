@@ -148,6 +148,13 @@ def test_a_window_leaves_out_the_statistics_of_skipped_steps():
   assert np.isfinite(float(only_bad["loss_sum"]))
 
 
+def test_progress_bar_fields_show_nan_for_what_a_window_lacks():
+  from realm_jax.train.pretrain import postfix
+  assert postfix({"loss": 1.23456, "examples_per_s": 7.66}, loss=("loss", ".3f"),
+                 acc=("accuracy", ".3f"), ex_s=("examples_per_s", ".1f")) == {
+                     "loss": "1.235", "acc": "nan", "ex_s": "7.7"}
+
+
 def read_rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f if line.strip()]

@@ -44,7 +44,7 @@ from realm_jax.retrieval.index import latest_index_dir
 from realm_jax.train import checkpoints, optimizer
 from realm_jax.train.init import overlay
 from realm_jax.train.metrics_writer import MetricsWriter
-from realm_jax.train.pretrain import (add_step, check_workdir_config, count_bad_steps,
+from realm_jax.train.pretrain import (add_step, check_workdir_config, count_bad_steps, postfix,
                                       window_metrics)
 from realm_jax.train.qa_step import QaModels, TrainState, qa_params, qa_train_step, summarize_qa
 
@@ -429,11 +429,9 @@ class QaTrainer:
                        questions_per_s=window_q / elapsed,
                        answerable_share=window_q / max(window_seen, 1))
         self.metrics.write(done, metrics, "train")
-        nan = float("nan")
-        bar.set_postfix(loss=f"{metrics.get('loss', nan):.3f}",
-                        in_read=f"{metrics.get('answer_in_read', nan):.2f}",
-                        em_proxy=f"{metrics.get('reader_em_proxy', nan):.2f}",
-                        q_s=f"{metrics['questions_per_s']:.1f}")
+        bar.set_postfix(postfix(metrics, loss=("loss", ".3f"), in_read=("answer_in_read", ".2f"),
+                                em_proxy=("reader_em_proxy", ".2f"),
+                                q_s=("questions_per_s", ".1f")))
         sums, window_start, window_q, window_seen = None, time.perf_counter(), 0, 0
       if c.eval_every and (done % c.eval_every == 0 or done == c.num_steps):
         dev = self.evaluate("dev", c.eval_limit)

@@ -43,7 +43,7 @@ from realm_jax.train import checkpoints, optimizer
 from realm_jax.train.init import overlay, sized_model_config
 from realm_jax.train.metrics_writer import MetricsWriter
 from realm_jax.train.pretrain import (add_step, check_workdir_config, count_bad_steps,
-                                      maybe_initialize_distributed, window_metrics)
+                                      maybe_initialize_distributed, postfix, window_metrics)
 from realm_jax.train.realm_step import TrainState, loss_step
 
 Array = jax.Array
@@ -415,10 +415,8 @@ class ICTTrainer:
         metrics.update(learning_rate=float(self.schedule(step)),
                        examples_per_s=window_steps * c.batch_size / window_time)
         self.log(done, metrics, "train")
-        nan = float("nan")
-        bar.set_postfix(loss=f"{metrics.get('loss', nan):.3f}",
-                        acc=f"{metrics.get('accuracy', nan):.3f}",
-                        ex_s=f"{metrics['examples_per_s']:.1f}")
+        bar.set_postfix(postfix(metrics, loss=("loss", ".3f"), acc=("accuracy", ".3f"),
+                                ex_s=("examples_per_s", ".1f")))
         sums, window_time, window_steps = None, 0.0, 0
       if c.eval_every and (done % c.eval_every == 0 or done == c.num_steps):
         last_eval = self.evaluate()

@@ -42,8 +42,7 @@ GIB = 1024**3
 WIKIPEDIA_BLOCKS = 13_353_718
 SEARCH_QUERY_BATCH = 256  # DocIndex.query_batch_size
 # XLA:CPU's compiled train step of the tiny and earlier 2-layer demo configs took up to 1.65x the
-# estimate
-# (benchmarks/memory.py; benchmarks/README.md): the verdict keeps that margin.
+# estimate (benchmarks/memory.py; benchmarks/README.md): the verdict keeps that margin.
 MARGIN = 1.7
 
 

@@ -121,6 +121,13 @@ def window_metrics(sums: dict, summarize) -> dict[str, float]:
   return out
 
 
+def postfix(metrics: dict[str, float], **fields: tuple[str, str]) -> dict[str, str]:
+  """Progress-bar fields {name: (metric, format spec)} of a logging window's metrics; a metric the
+  window lacks (every step skipped) shows as nan."""
+  nan = float("nan")
+  return {name: format(metrics.get(key, nan), spec) for name, (key, spec) in fields.items()}
+
+
 def count_bad_steps(bad_steps: int, skipped: float, step: int, max_bad_steps: int,
                     workdir: str) -> int:
   """The count of consecutive skipped (non-finite) steps after this one; logs each, and stops the
@@ -343,11 +350,9 @@ class Trainer:
                        index_staleness=float(done - 1 - index_step(self.index_path)),
                        examples_per_s=window_examples / elapsed)
         self.log(done, metrics, "train")
-        nan = float("nan")
-        bar.set_postfix(loss=f"{metrics.get('loss', nan):.3f}",
-                        acc=f"{metrics.get('accuracy', nan):.3f}",
-                        utility=f"{metrics.get('retrieval_utility', nan):.3f}",
-                        ex_s=f"{metrics['examples_per_s']:.1f}")
+        bar.set_postfix(postfix(metrics, loss=("loss", ".3f"), acc=("accuracy", ".3f"),
+                                utility=("retrieval_utility", ".3f"),
+                                ex_s=("examples_per_s", ".1f")))
         sums, window_start, window_examples = None, time.perf_counter(), 0
       if done % c.eval_every == 0 or done == c.num_steps:
         last_eval = self.evaluate()
