@@ -6,6 +6,7 @@
       --questions=../shared/data/nq_open/NQ-open.dev.jsonl   # the real corpus, real questions
   python benchmarks/search.py ... --scann_trees=100:10,100:30   # also ScaNN with these trees
   python benchmarks/search.py ... --scann_dims_per_block=2,4     # ScaNN rows for each code size
+  python benchmarks/search.py ... --scann_reorder=100,250        # ... and each re-ordering depth
 
 Each method indexes the same [N, D] float32 vectors and answers the same queries for the top
 `--k`; recall@k is measured against numpy brute force (float32 matmul + argpartition). Every
@@ -86,6 +87,9 @@ def main():
   p.add_argument("--scann_dims_per_block", default="2",
                  help="comma-separated dimensions per 4-bit ScaNN code; every ScaNN row (no "
                       "tree and each of --scann_trees) is measured with each")
+  p.add_argument("--scann_reorder", default="100",
+                 help="comma-separated numbers of hashed candidates that ScaNN re-scores exactly; "
+                      "every ScaNN row is measured with each")
   args = p.parse_args()
   try:
     trees = [tuple(int(x) for x in t.split(":")) for t in filter(None, args.scann_trees.split(","))]
@@ -101,6 +105,12 @@ def main():
   except ValueError:
     p.error(f"--scann_dims_per_block={args.scann_dims_per_block!r}: give positive whole numbers, "
             "e.g. 2,4.")
+  try:
+    depths = [int(x) for x in args.scann_reorder.split(",")]
+    if not depths or min(depths) < 1:
+      raise ValueError
+  except ValueError:
+    p.error(f"--scann_reorder={args.scann_reorder!r}: give positive whole numbers, e.g. 100,250.")
 
   import jax
 
@@ -121,10 +131,12 @@ def main():
       "approx float32 (recall_target 0.95)": dict(searcher="approx"),
   }
   for dims in code_sizes:
-    methods[f"scann, {dims} dims per code"] = dict(searcher="scann", dims_per_block=dims)
-    for leaves, searched in trees:
-      methods[f"scann, {dims} dims per code, tree {leaves}:{searched}"] = dict(
-          searcher="scann", dims_per_block=dims, num_leaves=leaves, num_leaves_to_search=searched)
+    for depth in depths:
+      base = dict(searcher="scann", dims_per_block=dims, reorder_num_neighbors=depth)
+      methods[f"scann, {dims} dims per code, {depth} re-ordered"] = base
+      for leaves, searched in trees:
+        methods[f"scann, {dims} dims per code, {depth} re-ordered, tree {leaves}:{searched}"] = dict(
+            base, num_leaves=leaves, num_leaves_to_search=searched)
   skip = set(filter(None, args.skip.split(",")))
   for name, options in methods.items():
     if options["searcher"] in skip:

@@ -7,8 +7,8 @@ top-k queries in one of three ways:
   its shard (`jax.lax.top_k` under `jax.shard_map`), then the per-shard candidates are merged with
   another top-k. One jitted function, compiled once per (query batch, k, exclusions) shape.
 * "approx": the same with `jax.lax.approx_max_k` per shard (exact on CPU, fast on TPU).
-* "scann": ScaNN on the host (tree + asymmetric hashing, as in the original REALM runs), then exact
-  float32 re-scoring of its candidates against the stored embeddings.
+* "scann": ScaNN on the host (tree + asymmetric hashing, as in the original REALM runs), whose
+  re-ordering pass scores the best hashed candidates exactly (float32, against the stored rows).
 
 Every searcher can exclude given block ids per query (REALM drops the block a masked sentence came
 from), and never returns padding or excluded rows, even for queries with non-finite values (whose
@@ -140,8 +140,9 @@ class DocIndex:
     dtype: storage dtype, "float32" or "bfloat16". Scores are always computed in float32.
     precision: matmul precision of the device searchers; "highest" keeps float32 queries exact on
       TPU/GPU (the default precision there rounds them to bfloat16/TF32: faster, ~1e-3 relative).
-    query_batch_size: queries per device call; [query_batch_size, N / devices] float32 scores are
-      live on each device at once. Larger query sets are cut into batches of this size.
+    query_batch_size: queries per device call ("exact", "approx"); [query_batch_size,
+      N / devices] float32 scores are live on each device at once. Larger query sets are cut into
+      batches of this size. ScaNN takes all queries in one call.
     recall_target: recall target of `approx_max_k` ("approx").
     num_leaves, num_leaves_to_search, training_sample_size, reorder_num_neighbors: ScaNN's tree
       and re-ordering settings ("scann"). By default no tree up to 100k rows (asymmetric hashing
@@ -319,15 +320,17 @@ class DocIndex:
     num_queries = len(queries)
     if num_queries == 0:
       return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+    if self.searcher == "scann":  # one call: ScaNN shares the queries out over the cores itself
+      scores, rows = self._search_scann(queries, k, exclude_rows)
+      return scores, self.block_ids[rows]
     batch = min(num_queries, self.query_batch_size)
-    fn = self._search_scann if self.searcher == "scann" else self._search_device
     parts = []
     for lo in range(0, num_queries, batch):
       q, ex = queries[lo:lo + batch], exclude_rows[lo:lo + batch]
       if len(q) < batch:  # pad the last batch so that every call has the same shape (no recompile)
         q = np.concatenate([q, np.zeros((batch - len(q), self.dim), np.float32)])
         ex = np.concatenate([ex, np.full((batch - len(ex), ex.shape[1]), -1, np.int32)])
-      parts.append(fn(q, k, ex))
+      parts.append(self._search_device(q, k, ex))
     # Device calls run asynchronously until their results are read here.
     scores = np.concatenate([np.asarray(s) for s, _ in parts])[:num_queries]
     rows = np.concatenate([np.asarray(r) for _, r in parts])[:num_queries]
@@ -337,19 +340,18 @@ class DocIndex:
     return self._search_fn(self._emb, queries, exclude_rows, k)
 
   def _search_scann(self, queries, k, exclude_rows):
-    """ScaNN candidates, re-scored exactly; queries left with < k candidates are brute-forced."""
+    """ScaNN's exactly re-scored candidates; queries left with < k of them are brute-forced."""
     candidates = min(self.count, k + exclude_rows.shape[1])
+    # ScaNN's re-ordering pass scores the best `pre_reorder` hashed candidates exactly (float32
+    # inner products with the stored rows), so its distances are the exact scores already.
     rows, dist = self._scann.search_batched_parallel(
         queries, final_num_neighbors=candidates,
         pre_reorder_num_neighbors=max(candidates, self._reorder_num_neighbors),
         batch_size=-(-len(queries) // (os.cpu_count() or 1)))  # a share of the queries per core
     rows = rows.astype(np.int64)  # [Q, C]
-    emb = self._host_emb[rows].astype(np.float32)  # [Q, C, D]
-    with np.errstate(invalid="ignore", over="ignore"):
-      scores = _finite(np.einsum("qd,qcd->qc", queries, emb))
     # ScaNN pads with NaN distances when its searched leaves hold fewer than C rows.
     drop = np.isnan(dist) | (rows[:, :, None] == exclude_rows[:, None, :]).any(-1)
-    scores[drop] = -np.inf
+    scores = np.where(drop, -np.inf, _finite(dist)).astype(np.float32)
     order = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # [Q, k]
     top_scores = np.take_along_axis(scores, order, axis=1)
     top_rows = np.take_along_axis(rows, order, axis=1)
