@@ -133,9 +133,9 @@ def main():
   for dims in code_sizes:
     for depth in depths:
       base = dict(searcher="scann", dims_per_block=dims, reorder_num_neighbors=depth)
-      methods[f"scann, {dims} dims per code, {depth} re-ordered"] = base
+      methods[f"scann {dims}/{depth}"] = base  # (the printed name comes from scann_settings)
       for leaves, searched in trees:
-        methods[f"scann, {dims} dims per code, {depth} re-ordered, tree {leaves}:{searched}"] = dict(
+        methods[f"scann {dims}/{depth}/{leaves}:{searched}"] = dict(
             base, num_leaves=leaves, num_leaves_to_search=searched)
   skip = set(filter(None, args.skip.split(",")))
   for name, options in methods.items():

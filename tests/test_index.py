@@ -191,12 +191,15 @@ def test_scann_excludes_blocks(scann_case):
   assert recall(found, exact_index.search(queries, 10, exclude_ids=sources)[1]) >= 0.95
 
 
-def test_scann_rejects_bad_dims_per_block():
+def test_scann_rejects_bad_dims_per_block_and_reorder_num_neighbors():
   pytest.importorskip("scann")
   emb, ids, _ = untied_data(6, 50, q=1)
   for bad in (0, emb.shape[1] + 1, 2.5, True):
     with pytest.raises(ValueError, match="dims_per_block"):
       DocIndex(emb, ids, "scann", dims_per_block=bad)
+  for bad in (0, -3, 2.5, True):
+    with pytest.raises(ValueError, match="reorder_num_neighbors"):
+      DocIndex(emb, ids, "scann", reorder_num_neighbors=bad)
 
 
 def test_scann_too_few_candidates_falls_back_to_exact():

@@ -173,6 +173,12 @@ class DocIndex:
       raise ValueError(f"dims_per_block={dims_per_block!r}: give a whole number of dimensions per "
                        f"ScaNN code from 1 to the embedding dimension {embeddings.shape[1]} (2 by "
                        "default).")
+    if searcher == "scann" and (isinstance(reorder_num_neighbors, bool)
+                                or not isinstance(reorder_num_neighbors, (int, np.integer))
+                                or reorder_num_neighbors < 1):
+      raise ValueError(f"reorder_num_neighbors={reorder_num_neighbors!r}: give how many of ScaNN's "
+                       "best hashed candidates to re-score exactly, a whole number >= 1 (100 by "
+                       "default; more for recall).")
     if len(embeddings) == 0:
       raise ValueError("Cannot build an empty index: embeddings has no rows. Embed a corpus first.")
     if len(embeddings) >= 2**31:
@@ -201,8 +207,8 @@ class DocIndex:
     if searcher == "scann":
       self._host_emb = embeddings.astype(self.dtype, copy=False)  # [N, D]
       self._scann = self._build_scann(num_leaves, num_leaves_to_search, training_sample_size,
-                                      reorder_num_neighbors, int(dims_per_block))
-      self._reorder_num_neighbors = reorder_num_neighbors
+                                      int(reorder_num_neighbors), int(dims_per_block))
+      self._reorder_num_neighbors = int(reorder_num_neighbors)
     else:
       self._init_device(embeddings, mesh, precision,
                         recall_target if searcher == "approx" else None)
