@@ -202,6 +202,23 @@ def test_scann_rejects_bad_dims_per_block_and_reorder_num_neighbors():
       DocIndex(emb, ids, "scann", reorder_num_neighbors=bad)
 
 
+def test_index_options_from_a_config():
+  """config.index -> DocIndex arguments: ScaNN's non-zero settings only for searcher "scann"; a
+  config saved before `index.scann` existed still works; a misspelt setting is refused."""
+  from ml_collections import ConfigDict
+  settings = dict(num_leaves=0, num_leaves_to_search=0, reorder_num_neighbors=50, dims_per_block=4)
+  config = ConfigDict(dict(searcher="scann", dtype="bfloat16", scann=settings))
+  assert index_lib.index_options(config) == dict(searcher="scann", dtype="bfloat16",
+                                                 reorder_num_neighbors=50, dims_per_block=4)
+  config.searcher = "exact"
+  assert index_lib.index_options(config) == dict(searcher="exact", dtype="bfloat16")
+  old = ConfigDict(dict(searcher="scann", dtype="float32"))
+  assert index_lib.index_options(old) == dict(searcher="scann", dtype="float32")
+  typo = ConfigDict(dict(searcher="scann", dtype="float32", scann=dict(dims_per_blok=4)))
+  with pytest.raises(ValueError, match="dims_per_blok"):
+    index_lib.index_options(typo)
+
+
 def test_scann_too_few_candidates_falls_back_to_exact():
   pytest.importorskip("scann")
   emb, ids, queries = untied_data(5, 301, q=4)

@@ -319,6 +319,26 @@ def test_memory_estimate_against_xla():
     assert step <= xla <= memory.MARGIN * step, (devices, step, xla)
 
 
+def test_memory_estimate_counts_the_index_on_device_only_for_device_searchers():
+  """An exact index shard is its rows x dim x bytes per device, hand-computed; ScaNN's index lives
+  in host memory and takes none."""
+  from realm_jax.configs.pretrain import get_config
+  from realm_jax.train import memory
+  c = get_config("tiny")
+  mc = memory.model_config(c)
+  rows, devices = 1000, 8
+  exact = memory.estimate(c, devices, rows, mc)["parts"]
+  # 1000 rows over 8 devices, the 16-dim projection of the tiny model, float32; 8 queries.
+  assert (c.init, mc.retriever_proj_size, c.batch_size) == ("random", 16, 8)
+  assert exact["index shard"] == 125 * 16 * 4
+  assert exact["search scratch"] == 8 * 125 * 4
+  c.index.searcher = "scann"
+  scann = memory.estimate(c, devices, rows, mc)["parts"]
+  assert scann["index shard"] == scann["search scratch"] == 0
+  assert {k: v for k, v in scann.items() if "index" not in k and "search" not in k} == {
+      k: v for k, v in exact.items() if "index" not in k and "search" not in k}
+
+
 def test_retriever_learning_rate_applies_to_the_retriever_towers_only():
   """config.retriever_learning_rate: Adam's first update is -lr * g / (|g| + eps) per element, so
   each part moves by its own rate; -1 (the default) gives every part config.learning_rate."""

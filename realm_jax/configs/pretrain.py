@@ -29,6 +29,8 @@ BERT_BASE = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_at
 
 import ml_collections
 
+from realm_jax.configs import build_index
+
 
 def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -76,6 +78,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
 
   c.index = ml_collections.ConfigDict(dict(
       searcher="exact", dtype="float32",
+      scann=build_index.scann_settings(),  # for searcher="scann"; 0: DocIndex's default
       refresh="async",            # sync | async | none
       refresh_every=500,          # sync: steps between refreshes
       keep=3,                     # published indexes kept (0: all); never one a checkpoint names

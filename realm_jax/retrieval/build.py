@@ -9,7 +9,7 @@ from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.qa import load_qa_jsonl
 from realm_jax.eval.retrieval import evaluate_retrieval
 from realm_jax.retrieval.embed import embed_corpus
-from realm_jax.retrieval.index import DocIndex, latest_index_dir, publish_index
+from realm_jax.retrieval.index import DocIndex, index_options, latest_index_dir, publish_index
 from realm_jax.retrieval.towers import load_towers
 
 _AUTO = {"auto": None, "yes": True, "no": False}
@@ -41,7 +41,7 @@ def build_index(config, workdir: str, towers=None):
                      os.path.join(workdir, "embeddings", fingerprint), config.max_length,
                      config.truncate, config.shard_size, config.batch_size,
                      fingerprint=fingerprint)
-  index = DocIndex(emb, corpus.block_ids, searcher=config.index.searcher, dtype=config.index.dtype)
+  index = DocIndex(emb, corpus.block_ids, **index_options(config.index))
   path = publish_index(os.path.join(workdir, "index"), index, step=0,
                        model_fingerprint=tower.fingerprint, corpus_fingerprint=corpus.fingerprint)
   logging.info("Index of %d blocks x %d published at %s", len(corpus), emb.shape[1], path)
@@ -61,7 +61,7 @@ def load_built_index(config, workdir: str, towers=None):
   index = DocIndex.load(path, expected_dim=query_tower.dim,
                         expected_corpus_fingerprint=corpus.fingerprint,
                         expected_model_fingerprint=towers["document"].fingerprint,
-                        searcher=config.index.searcher, dtype=config.index.dtype)
+                        **index_options(config.index))
   return corpus, index, query_tower
 
 

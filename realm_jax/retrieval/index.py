@@ -442,6 +442,23 @@ class DocIndex:
     return index
 
 
+SCANN_SETTINGS = ("num_leaves", "num_leaves_to_search", "reorder_num_neighbors", "dims_per_block",
+                  "training_sample_size")
+
+
+def index_options(index_config) -> dict:
+  """`DocIndex` keyword arguments from a config's `index` section: `searcher`, `dtype` and, for
+  searcher "scann", the non-zero entries of `index.scann` (0: DocIndex's default)."""
+  options = dict(searcher=index_config.searcher, dtype=index_config.dtype)
+  scann = dict(index_config.get("scann") or {})  # absent in configs written before it existed
+  unknown = sorted(set(scann) - set(SCANN_SETTINGS))
+  if unknown:
+    raise ValueError(f"Unknown config.index.scann setting(s) {unknown}: use {SCANN_SETTINGS}.")
+  if index_config.searcher == "scann":
+    options.update({key: value for key, value in scann.items() if value})
+  return options
+
+
 def read_manifest(directory: str | os.PathLike) -> dict:
   """The validated manifest of a saved index; a clear error if it is missing, corrupt or too new."""
   path = os.path.join(os.fspath(directory), MANIFEST)

@@ -93,13 +93,14 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
   shard_rows = -(-index_rows // devices)
   dim = mc.hidden_size if config.init == "minilm" else mc.retriever_proj_size
   index_bytes = 2 if config.index.dtype == "bfloat16" else 4
+  on_device = config.index.searcher != "scann"  # ScaNN keeps the index in host memory
   parts = {
       "parameters": 4 * p, "gradients": 4 * p, "optimizer state": 8 * p,
       # The guarded update keeps the old parameters until the new ones are known to be finite.
       "update buffers": 4 * p,
       "activations": activations,
-      "index shard": shard_rows * dim * index_bytes,
-      "search scratch": min(SEARCH_QUERY_BATCH, config.batch_size) * shard_rows * 4,
+      "index shard": on_device * shard_rows * dim * index_bytes,
+      "search scratch": on_device * min(SEARCH_QUERY_BATCH, config.batch_size) * shard_rows * 4,
   }
   return {"parts": parts, "total": sum(parts.values()), "params": counts, "devices": devices,
           "examples_per_device": b, "index_rows": index_rows, "shard_rows": shard_rows,

@@ -38,7 +38,7 @@ from realm_jax.train.metrics_writer import MetricsWriter
 from realm_jax.train.realm_step import TrainState, eval_step, summarize, train_step
 from realm_jax.train.refresh import (REFRESH_MODES, AsyncIndexWatcher, DocumentEmbedder,
                                      index_step, load_index, refresh)
-from realm_jax.retrieval.index import latest_index_dir
+from realm_jax.retrieval.index import index_options, latest_index_dir
 
 # Settings that change the shapes of parameters, of the optimiser state (a separate retriever
 # rate adds a partition) or of the data: a workdir keeps its own.
@@ -189,8 +189,7 @@ class Trainer:
     self.train_iter = self._batches("train", config.seed)
     self.index_root = os.path.join(workdir, "index")
     # The index is sharded over every device of every host, like the batch.
-    self.index_options = dict(searcher=config.index.searcher, dtype=config.index.dtype,
-                              mesh=self.mesh)
+    self.index_options = dict(index_options(config.index), mesh=self.mesh)
     self.embedder = DocumentEmbedder(self.models, self.corpus, tok, config.doc_length,
                                      config.index.embed_batch_size)
     self.memory_estimate = memory.estimate(config, jax.device_count(), len(self.corpus),

@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from realm_jax.io_utils import absolute, as_path
-from realm_jax.retrieval.index import latest_index_dir
+from realm_jax.retrieval.index import index_options, latest_index_dir
 from realm_jax.train import checkpoints
 from realm_jax.train.init import build_models
 from realm_jax.train.pretrain import open_data
@@ -57,7 +57,7 @@ def run_refresher(config, workdir: str, *, poll_seconds: float = 10.0,
   embedder = DocumentEmbedder(models, corpus, tokenizer, config.doc_length,
                               config.index.embed_batch_size)
   root = os.path.join(workdir, "index")
-  options = dict(searcher=config.index.searcher, dtype=config.index.dtype)
+  options = index_options(config.index)
   ckpt_dir = os.path.join(workdir, "checkpoints")
   published, idle_since, manager = 0, time.monotonic(), None
   while max_refreshes is None or published < max_refreshes:
