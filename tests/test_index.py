@@ -133,28 +133,32 @@ def test_approx_recall():
   assert (np.diff(scores, axis=1) <= 0).all()
 
 
-@pytest.mark.parametrize("searcher", ["exact", "approx", "scann"])
+@pytest.mark.parametrize("searcher", ["exact", "approx", "scann", "scann with a tree"])
 def test_non_finite_queries_still_get_valid_rows(searcher):
   """A diverged model's NaN or infinite query: every searcher returns k distinct ids of real,
   not excluded rows, ranked after the finite scores (none here), and no padding row (301 rows over
   8 devices leave 3 of them, which an unguarded top-k picks: NaN sorts above -inf)."""
-  if searcher == "scann":
+  options = {}
+  if searcher.startswith("scann"):
     pytest.importorskip("scann")
-  emb, ids, queries = untied_data(6, 301, q=3)
+    if searcher != "scann":  # ScaNN itself fails on non-finite queries when it has a tree
+      searcher, options = "scann", dict(num_leaves=10, num_leaves_to_search=3)
+  emb, ids, queries = untied_data(6, 301, q=4)
   queries[0] = np.nan
   queries[1, 0] = np.inf
   queries[2] = 0.0
   queries[2, 0], queries[2, 1] = np.inf, -np.inf  # inf - inf: NaN for most rows
-  index = DocIndex(emb, ids, searcher)
-  exclude = ids[:3]  # one per query
+  queries[3] = -np.inf
+  index = DocIndex(emb, ids, searcher, **options)
+  exclude = ids[:4]  # one per query
   for k in (1, 10, 300):
     scores, found = index.search(queries, k, exclude_ids=exclude)
-    assert found.shape == (3, k) and np.isin(found, ids).all()
+    assert found.shape == (4, k) and np.isin(found, ids).all()
     assert all(len(set(row)) == k for row in found)
     assert not (found == exclude[:, None]).any()
     assert not np.isnan(scores).any() and not np.isposinf(scores).any()
-  _, rows = index_lib.brute_force_top_k(queries, emb, 300, np.arange(3)[:, None])
-  assert not (rows == np.arange(3)[:, None]).any() and all(len(set(r)) == 300 for r in rows)
+  _, rows = index_lib.brute_force_top_k(queries, emb, 300, np.arange(4)[:, None])
+  assert not (rows == np.arange(4)[:, None]).any() and all(len(set(r)) == 300 for r in rows)
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +206,48 @@ def test_scann_rejects_bad_dims_per_block_and_reorder_num_neighbors():
       DocIndex(emb, ids, "scann", reorder_num_neighbors=bad)
 
 
+def test_scann_re_orders_more_candidates_for_more_exclusions(scann_case):
+  """Each query excludes its 60 best blocks: the re-ordering goes 60 rows deeper, so recall
+  against exact search with the same exclusions holds (re-ordering only the default 100 would
+  leave 40 usable rows and lose recall)."""
+  queries, exact_index = scann_case["queries"], scann_case["exact"]
+  excluded = exact_index.search(queries, 60)[1]
+  want = exact_index.search(queries, 10, exclude_ids=excluded)[1]
+  _, found = scann_case["default"].search(queries, 10, exclude_ids=excluded)
+  assert not (found[:, :, None] == excluded[:, None, :]).any()
+  assert recall(found, want) >= 0.95
+
+
+def test_scann_refuses_non_finite_rows():
+  pytest.importorskip("scann")
+  emb, ids, _ = untied_data(6, 50, q=1)
+  emb[7, 3] = np.nan
+  with pytest.raises(ValueError, match=rf"1 embedding rows are not finite.*\[{ids[7]}\]"):
+    DocIndex(emb, ids, "scann")
+
+
+def test_bad_search_settings_and_float_exclusions_are_refused():
+  emb, ids, queries = untied_data(6, 50, q=2)
+  for bad in (0, -1, 2.0):
+    with pytest.raises(ValueError, match="query_batch_size"):
+      DocIndex(emb, ids, query_batch_size=bad)
+  with pytest.raises(ValueError, match="recall_target=1.5"):
+    DocIndex(emb, ids, "approx", recall_target=1.5)
+  with pytest.raises(ValueError, match="exclude_ids must be integer block ids; got dtype float64"):
+    DocIndex(emb, ids).search(queries, 3, exclude_ids=ids[:2].astype(np.float64))
+
+
+def test_small_query_counts_share_a_few_compiled_shapes():
+  """1..20 queries run as 1, 2, 4, 8, 16 and 32 padded queries: six programs, not twenty."""
+  emb, ids, queries = untied_data(6, 50, q=20)
+  index = DocIndex(emb, ids)
+  for q in range(1, 21):
+    scores, found = index.search(queries[:q], 3)
+    assert found.shape == (q, 3)
+    np.testing.assert_array_equal(found, brute_force(queries[:q], emb, ids, 3)[1])
+  assert index._search_fn._cache_size() == 6
+
+
 def test_index_options_from_a_config():
   """config.index -> DocIndex arguments: ScaNN's non-zero settings only for searcher "scann"; a
   config saved before `index.scann` existed still works; a misspelt setting is refused."""
@@ -240,8 +286,10 @@ def test_save_load_round_trip(tmp_path, dtype):
   assert sorted(os.listdir(tmp_path)) == ["idx"]  # no temporary directory left behind
   assert sorted(os.listdir(tmp_path / "idx")) == ["index.safetensors", "manifest.json"]
   manifest = read_manifest(tmp_path / "idx")
+  save_id = manifest.pop("save_id")
   assert manifest == {"format_version": 1, "step": 7, "model_fingerprint": "m1",
                       "corpus_fingerprint": "c1", "dtype": dtype, "count": 29, "dim": DIM}
+  manifest["save_id"] = save_id
   loaded = DocIndex.load(tmp_path / "idx", expected_dim=DIM, expected_corpus_fingerprint="c1")
   assert loaded.manifest == manifest and loaded.dtype == index.dtype
   np.testing.assert_array_equal(loaded.embeddings(), index.embeddings())
@@ -253,6 +301,7 @@ def test_save_load_round_trip(tmp_path, dtype):
                                   corpus_fingerprint="c2")
   assert DocIndex.load(tmp_path / "idx").count == 5
   assert sorted(os.listdir(tmp_path)) == ["idx"]
+  assert read_manifest(tmp_path / "idx")["save_id"] != save_id  # a new id for each save
 
 
 def test_load_into_another_searcher_and_dtype(tmp_path):
@@ -279,8 +328,33 @@ def test_load_mismatches_and_broken_manifests(tmp_path):
   with pytest.raises(ValueError, match="manifest.json is not valid JSON"):
     DocIndex.load(path)
   (path / "manifest.json").write_text(json.dumps({**manifest, "count": 11}))
-  with pytest.raises(ValueError, match=r"does not hold the \[11, 16\] embeddings"):
+  with pytest.raises(ValueError, match=r"does not hold the \[11, 16\] float32 embeddings"):
     DocIndex.load(path)
+  (path / "manifest.json").write_text(json.dumps({**manifest, "dtype": "bfloat16"}))
+  with pytest.raises(ValueError, match=r"does not hold the \[10, 16\] bfloat16 embeddings"):
+    DocIndex.load(path)
+  for key, bad in (("dim", "16"), ("count", True), ("step", -1), ("count", 0)):
+    (path / "manifest.json").write_text(json.dumps({**manifest, key: bad}))
+    with pytest.raises(ValueError, match=rf"invalid {key}={bad!r} .*rebuild"):
+      DocIndex.load(path)
+  # The manifest of another save of the directory (a reader racing a writer): refused.
+  (path / "manifest.json").write_text(json.dumps({**manifest, "save_id": "0" * 32}))
+  with pytest.raises(ValueError, match="saved again while it was being read.*load it again"):
+    DocIndex.load(path)
+  # An index saved before save_id existed (neither file has one) still loads.
+  from safetensors.numpy import save_file
+  save_file({"embeddings": emb, "block_ids": ids}, str(path / "index.safetensors"))
+  (path / "manifest.json").write_text(json.dumps(
+      {k: v for k, v in manifest.items() if k != "save_id"}))
+  np.testing.assert_array_equal(DocIndex.load(path).embeddings(), emb)
+  # A truncated array file.
+  data = (path / "index.safetensors").read_bytes()
+  (path / "index.safetensors").write_bytes(data[:len(data) // 2])
+  with pytest.raises(ValueError, match=r"index.safetensors cannot be read .*truncated or corrupt"):
+    DocIndex.load(path)
+  with pytest.raises(ValueError, match="step=2.5"):
+    DocIndex(emb, ids).save(tmp_path / "other", step=2.5, model_fingerprint="m",
+                            corpus_fingerprint="c")
   (path / "manifest.json").unlink()
   with pytest.raises(FileNotFoundError, match="manifest.json does not exist.*not a saved index"):
     DocIndex.load(path)

@@ -30,6 +30,7 @@ import math
 import os
 import re
 import time
+import uuid
 from collections.abc import Iterable
 
 import jax
@@ -87,6 +88,14 @@ def _sharded_top_k(emb, queries, exclude_rows, k, *, count, mesh, recall_target,
       out_specs=(P(None, "data"), P(None, "data")))(emb, queries, exclude_rows)
   top_scores, pos = jax.lax.top_k(scores, k)
   return top_scores, jnp.take_along_axis(rows, pos, axis=1)
+
+
+def _require_whole(name, value, low, high=None, what=""):
+  """ValueError naming `name` unless `value` is an int (not a bool) in [low, high]."""
+  if (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low
+      or (high is not None and value > high)):
+    span = f"from {low} to {high}" if high is not None else f">= {low}"
+    raise ValueError(f"{name}={value!r}: give a whole number {span}{what}.")
 
 
 def _finite(scores):
@@ -167,18 +176,12 @@ class DocIndex:
       raise ValueError(f"Unknown storage dtype {dtype!r}: use one of {tuple(DTYPES)}.")
     if embeddings.ndim != 2:
       raise ValueError(f"embeddings must be [N, D]; got shape {embeddings.shape}.")
-    if searcher == "scann" and (isinstance(dims_per_block, bool)
-                                or not isinstance(dims_per_block, (int, np.integer))
-                                or not 1 <= dims_per_block <= embeddings.shape[1]):
-      raise ValueError(f"dims_per_block={dims_per_block!r}: give a whole number of dimensions per "
-                       f"ScaNN code from 1 to the embedding dimension {embeddings.shape[1]} (2 by "
-                       "default).")
-    if searcher == "scann" and (isinstance(reorder_num_neighbors, bool)
-                                or not isinstance(reorder_num_neighbors, (int, np.integer))
-                                or reorder_num_neighbors < 1):
-      raise ValueError(f"reorder_num_neighbors={reorder_num_neighbors!r}: give how many of ScaNN's "
-                       "best hashed candidates to re-score exactly, a whole number >= 1 (100 by "
-                       "default; more for recall).")
+    if searcher == "scann":
+      _require_whole("dims_per_block", dims_per_block, 1, embeddings.shape[1],
+                     " (dimensions per ScaNN code, up to the embedding dimension; 2 by default)")
+      _require_whole("reorder_num_neighbors", reorder_num_neighbors, 1, None,
+                     " (ScaNN's best hashed candidates re-scored exactly; 100 by default, more for "
+                     "recall)")
     if len(embeddings) == 0:
       raise ValueError("Cannot build an empty index: embeddings has no rows. Embed a corpus first.")
     if len(embeddings) >= 2**31:
@@ -204,7 +207,15 @@ class DocIndex:
     self._sorted_ids, self._sorted_rows = sorted_ids, order  # block id -> row, via searchsorted
     self.query_batch_size = query_batch_size
     self.manifest: dict | None = None  # set by `load`
+    _require_whole("query_batch_size", query_batch_size, 1)
+    if searcher == "approx" and not 0 < recall_target <= 1:
+      raise ValueError(f"recall_target={recall_target!r}: give a recall in (0, 1].")
     if searcher == "scann":
+      bad = np.flatnonzero(~np.isfinite(embeddings).all(axis=1))
+      if len(bad):  # ScaNN cannot index them (exact search never returns them)
+        raise ValueError(f"{len(bad)} embedding rows are not finite (NaN or infinite), e.g. block "
+                         f"ids {block_ids[bad[:5]].tolist()}: the model that embedded them has "
+                         "diverged; re-embed the corpus with finite weights.")
       self._host_emb = embeddings.astype(self.dtype, copy=False)  # [N, D]
       self._scann = self._build_scann(num_leaves, num_leaves_to_search, training_sample_size,
                                       int(reorder_num_neighbors), int(dims_per_block))
@@ -295,6 +306,9 @@ class DocIndex:
       exclude_rows = np.full((num_queries, 1), -1, np.int32)
     else:
       exclude_ids = np.asarray(exclude_ids)
+      if exclude_ids.size and not np.issubdtype(exclude_ids.dtype, np.integer):
+        raise ValueError(f"exclude_ids must be integer block ids; got dtype {exclude_ids.dtype} "
+                         "(a float cannot hold every int64 id exactly).")
       if exclude_ids.ndim == 1:
         exclude_ids = exclude_ids[:, None]
       if exclude_ids.ndim != 2 or len(exclude_ids) != num_queries or exclude_ids.shape[1] == 0:
@@ -330,7 +344,9 @@ class DocIndex:
     if self.searcher == "scann":  # one call: ScaNN shares the queries out over the cores itself
       scores, rows = self._search_scann(queries, k, exclude_rows)
       return scores, self.block_ids[rows]
-    batch = min(num_queries, self.query_batch_size)
+    # Fewer queries than a batch are padded to a power of two: a few compiled shapes, not one
+    # for each query count.
+    batch = min(1 << (num_queries - 1).bit_length(), self.query_batch_size)
     parts = []
     for lo in range(0, num_queries, batch):
       q, ex = queries[lo:lo + batch], exclude_rows[lo:lo + batch]
@@ -347,26 +363,40 @@ class DocIndex:
     return self._search_fn(self._emb, queries, exclude_rows, k)
 
   def _search_scann(self, queries, k, exclude_rows):
-    """ScaNN's exactly re-scored candidates; queries left with < k of them are brute-forced."""
-    candidates = min(self.count, k + exclude_rows.shape[1])
-    # ScaNN's re-ordering pass scores the best `pre_reorder` hashed candidates exactly (float32
-    # inner products with the stored rows), so its distances are the exact scores already.
-    rows, dist = self._scann.search_batched_parallel(
-        queries, final_num_neighbors=candidates,
-        pre_reorder_num_neighbors=max(candidates, self._reorder_num_neighbors),
-        batch_size=-(-len(queries) // (os.cpu_count() or 1)))  # a share of the queries per core
-    rows = rows.astype(np.int64)  # [Q, C]
-    # ScaNN pads with NaN distances when its searched leaves hold fewer than C rows.
-    drop = np.isnan(dist) | (rows[:, :, None] == exclude_rows[:, None, :]).any(-1)
-    scores = np.where(drop, -np.inf, _finite(dist)).astype(np.float32)
-    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # [Q, k]
-    top_scores = np.take_along_axis(scores, order, axis=1)
-    top_rows = np.take_along_axis(rows, order, axis=1)
+    """ScaNN's exactly re-scored candidates; queries left with < k of them, and non-finite queries
+    (which ScaNN fails on when a tree is used), are brute-forced."""
+    top_scores = np.full((len(queries), k), -np.inf, np.float32)
+    top_rows = np.zeros((len(queries), k), np.int64)
+    finite = np.isfinite(queries).all(axis=1)
+    if finite.any():
+      top_scores[finite], top_rows[finite] = self._scann_top_k(queries[finite], k,
+                                                               exclude_rows[finite])
     short = np.isneginf(top_scores[:, -1])
     if short.any():
       top_scores[short], top_rows[short] = brute_force_top_k(
           queries[short], self._host_emb, k, exclude_rows[short])
     return top_scores, top_rows
+
+  def _scann_top_k(self, queries, k, exclude_rows):
+    """Top-k of ScaNN's candidates without the excluded rows (-inf where there are too few)."""
+    num_excluded = exclude_rows.shape[1]
+    candidates = min(self.count, k + num_excluded)
+    # ScaNN's re-ordering pass scores the best `pre_reorder` hashed candidates exactly (float32
+    # inner products with the stored rows), so its distances are the exact scores already. The
+    # excluded rows may be among them: re-order as many more.
+    rows, dist = self._scann.search_batched_parallel(
+        queries, final_num_neighbors=candidates,
+        pre_reorder_num_neighbors=min(self.count, max(candidates,
+                                                      self._reorder_num_neighbors + num_excluded)),
+        batch_size=-(-len(queries) // (os.cpu_count() or 1)))  # a share of the queries per core
+    rows = rows.astype(np.int64)  # [Q, C]
+    # ScaNN pads with NaN distances when its searched leaves hold fewer than C rows.
+    drop = np.isnan(dist)
+    for e in range(num_excluded):  # [Q, C] at a time, not [Q, C, E]
+      drop |= rows == exclude_rows[:, e:e + 1]
+    scores = np.where(drop, -np.inf, _finite(dist)).astype(np.float32)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # [Q, k]
+    return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
 
   def save(self, directory: str | os.PathLike, *, step: int, model_fingerprint: str,
            corpus_fingerprint: str, embeddings: np.ndarray | None = None) -> None:
@@ -383,10 +413,16 @@ class DocIndex:
     """
     from safetensors.numpy import save_file  # local: only saving and loading need it
 
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+      raise ValueError(f"step={step!r}: give the training step as a whole number >= 0.")
+    # A new id for each save, in the manifest and in the arrays' header: `load` can tell a
+    # manifest from the arrays of another save of the same directory (a reader racing a writer),
+    # and an upload to gs:// is never skipped as unchanged.
+    save_id = uuid.uuid4().hex
     manifest = {"format_version": FORMAT_VERSION, "step": int(step),
                 "model_fingerprint": str(model_fingerprint),
                 "corpus_fingerprint": str(corpus_fingerprint), "dtype": self.dtype.name,
-                "count": self.count, "dim": self.dim}
+                "count": self.count, "dim": self.dim, "save_id": save_id}
     if embeddings is None:
       embeddings = self.embeddings()
     elif np.shape(embeddings) != (self.count, self.dim):
@@ -396,7 +432,7 @@ class DocIndex:
               "block_ids": self.block_ids}
 
     def write(tmp):
-      save_file(arrays, os.path.join(tmp, ARRAYS))
+      save_file(arrays, os.path.join(tmp, ARRAYS), metadata={"save_id": save_id})
       write_json(os.path.join(tmp, MANIFEST), manifest)
 
     atomic_write_dir(directory, write, marker=MANIFEST)
@@ -413,8 +449,6 @@ class DocIndex:
         match the manifest (the last: the document tower that embedded the blocks).
       dtype: storage dtype to use (default: the saved one).
     """
-    from safetensors.numpy import load_file  # local: only saving and loading need it
-
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
     if expected_dim is not None and manifest["dim"] != expected_dim:
@@ -429,14 +463,15 @@ class DocIndex:
       if expected is not None and manifest[key] != expected:
         raise ValueError(f"The index in {directory} was {what} {manifest[key]!r}, but "
                          f"{expected!r} was expected: {fix}")
-    with local_file(os.path.join(directory, ARRAYS)) as path:  # load_file reads local files only
-      arrays = load_file(path)
-    emb, ids = arrays.get("embeddings"), arrays.get("block_ids")
+    emb, ids, save_id = _read_arrays(directory)
     if (emb is None or ids is None or emb.shape != (manifest["count"], manifest["dim"])
-        or ids.shape != (manifest["count"],)):
+        or ids.shape != (manifest["count"],) or emb.dtype != DTYPES[manifest["dtype"]]):
       raise ValueError(f"{directory}/{ARRAYS} does not hold the [{manifest['count']}, "
-                       f"{manifest['dim']}] embeddings and block ids its manifest promises; "
-                       "rebuild the index.")
+                       f"{manifest['dim']}] {manifest['dtype']} embeddings and block ids its "
+                       "manifest promises; rebuild the index.")
+    if save_id != manifest.get("save_id"):  # both None for indexes saved before save_id existed
+      raise ValueError(f"{directory} was saved again while it was being read (its manifest and "
+                       "arrays come from different saves); load it again.")
     index = cls(emb, ids, searcher, mesh=mesh, dtype=dtype or manifest["dtype"], **options)
     index.manifest = manifest
     return index
@@ -459,6 +494,22 @@ def index_options(index_config) -> dict:
   return options
 
 
+def _read_arrays(directory: str):
+  """(embeddings, block_ids, save_id) of `directory`/index.safetensors (None for what it lacks);
+  a clear error for a truncated or corrupt file."""
+  from safetensors import SafetensorError, safe_open  # local: only saving and loading need it
+
+  with local_file(os.path.join(directory, ARRAYS)) as path:  # safe_open reads local files only
+    try:
+      with safe_open(path, framework="numpy") as f:
+        names = set(f.keys())
+        arrays = [f.get_tensor(n) if n in names else None for n in ("embeddings", "block_ids")]
+        return (*arrays, (f.metadata() or {}).get("save_id"))
+    except (SafetensorError, OSError) as e:
+      raise ValueError(f"{directory}/{ARRAYS} cannot be read ({e}): the file is truncated or "
+                       f"corrupt. Delete {directory} and rebuild the index.") from e
+
+
 def read_manifest(directory: str | os.PathLike) -> dict:
   """The validated manifest of a saved index; a clear error if it is missing, corrupt or too new."""
   path = os.path.join(os.fspath(directory), MANIFEST)
@@ -477,6 +528,11 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     raise ValueError(f"{path} has format_version {manifest['format_version']!r}; this realm_jax "
                      f"reads version {FORMAT_VERSION}. Rebuild the index, or use the realm_jax "
                      "that wrote it.")
+  bad = [k for k in ("step", "count", "dim") if isinstance(manifest[k], bool)
+         or not isinstance(manifest[k], int) or manifest[k] < (1 if k != "step" else 0)]
+  if bad:
+    raise ValueError(f"{path} has invalid {', '.join(f'{k}={manifest[k]!r}' for k in bad)} (whole "
+                     f"numbers expected); delete {directory} and rebuild it.")
   if manifest["dtype"] not in DTYPES:
     raise ValueError(f"{path} has unknown dtype {manifest['dtype']!r}; expected one of "
                      f"{tuple(DTYPES)}.")
