@@ -311,8 +311,10 @@ def iter_jsonl(path: str | os.PathLike, what: str = "file"):
     raise OSError(f"Cannot read {what} {path}: {e.strerror or e}.") from None
   with opened as f:  # for tf.io.gfile, `open` gives a context manager, not the file
     for lineno, raw in enumerate(f, 1):
-      try:
-        line = raw.decode("utf-8")
+      if lineno == 1 and raw.startswith(b"\x1f\x8b"):
+        raise ValueError(f"{path} is gzip-compressed; decompress it first (gunzip -k).")
+      try:  # a byte-order mark at the start of the file is allowed
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
       except UnicodeDecodeError as e:
         raise ValueError(
             f"{path}:{lineno}: not valid UTF-8 (byte {e.start}); convert the file to UTF-8.") from None

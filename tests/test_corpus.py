@@ -59,8 +59,42 @@ def test_overlong_sentence_is_cut_into_budget_pieces(tok):
   text = " ".join(["paris"] * 25) + "."
   blocks = list(pack_blocks("", text, tok, block_length=13))  # budget 10
   assert [len(b["token_ids"]) for b in blocks] == [10, 10, 6]
-  with pytest.raises(ValueError, match="leaves fewer than 8 for text"):
-    list(pack_blocks("paris is the capital of france it has", "Lyon.", tok, block_length=12))
+  assert blocks[2]["body"] == "paris paris paris paris paris."
+  with pytest.raises(ValueError, match="block_length=10 leaves fewer than 8 word pieces"):
+    list(pack_blocks("", "Lyon.", tok, block_length=10))
+
+
+def test_overlong_sentence_is_cut_between_words_keeping_its_text(tok):
+  # 17 pieces: paris has river ##s [UNK](,) lyon has river ##s [UNK](and) berlin has capital ##s
+  # of germany . -- block_length 11 leaves 8 for text. Cutting at 8 would start the second block
+  # on "##s"; the cut goes back to the space before "rivers" (7 pieces), then before "Germany".
+  text = "Paris has rivers, Lyon has rivers and Berlin has capitals of Germany."
+  blocks = list(pack_blocks("", text, tok, block_length=11))
+  assert [b["body"] for b in blocks] == [
+      "Paris has rivers, Lyon has", "rivers and Berlin has capitals of", "Germany."]
+  assert [len(b["token_ids"]) for b in blocks] == [7, 8, 2]
+  assert [t for b in blocks for t in b["token_ids"]] == tok.encode(text)
+  assert not any(tok.continuation[b["token_ids"][0]] for b in blocks)
+  assert blocks[1]["block_id"] == block_id("", "rivers and Berlin has capitals of")
+  # One word of 12 pieces (capital + 10 x ##s, then "."): cut inside it, as nothing else fits.
+  word = list(pack_blocks("", "Capitalssssssssss.", tok, block_length=11))
+  assert [(b["body"], len(b["token_ids"])) for b in word] == [("Capitalsssssss", 8), ("sss.", 4)]
+
+
+def test_overlong_title_is_cut_with_a_warning_naming_the_document(tok, caplog):
+  # Title: paris is the capital of france [UNK](,) it has a river = 11 pieces; block_length 14
+  # keeps 8 for text, so the title keeps 3: cut at the space before "capital".
+  title = "Paris is the capital of France, it has a river"
+  with caplog.at_level("WARNING"):
+    blocks = list(pack_blocks(title, "Lyon is the second city. It is big.", tok, block_length=14,
+                              where="docs.jsonl:7"))
+  assert "docs.jsonl:7: the title 'Paris is the capital" in caplog.text
+  assert "has 11 word pieces" in caplog.text and "cut to its first 3" in caplog.text
+  assert [b["title"] for b in blocks] == ["Paris is the", "Paris is the"]
+  assert list(blocks[0]["title_token_ids"]) == tok.encode("Paris is the")
+  assert [b["body"] for b in blocks] == ["Lyon is the second city.", "It is big."]
+  assert all(3 + len(b["title_token_ids"]) + len(b["token_ids"]) <= 14 for b in blocks)
+  assert blocks[0]["block_id"] == block_id("Paris is the", "Lyon is the second city.")
 
 
 def test_block_id_is_stable_and_positive():
@@ -90,6 +124,12 @@ def test_corpus_builds_and_gives_random_access(tmp_path, vocab_file):
   assert list(corpus.rows_of([corpus.block_ids[2], 12345])) == [2, -1]
   with pytest.raises(KeyError, match="Block id 12345 is not in the corpus"):
     corpus.get(12345)
+  # Rows as in a list: iteration ends at the IndexError past the end; negative rows from the end.
+  assert [b["title"] for b in corpus] == ["Paris", "Berlin", ""]
+  assert corpus[-3]["body"] == "Paris is the capital of France. It has a river."
+  for row in (3, -4):
+    with pytest.raises(IndexError, match=f"Row {row} is out of range: the corpus at .* has 3"):
+      corpus[row]
   inputs = corpus.model_inputs([1, 2], 16, BertTokenizer(vocab_file))
   tok = BertTokenizer(vocab_file)
   want = [tok.cls_id] + tok.encode("Berlin") + [tok.sep_id] + tok.encode(
@@ -126,6 +166,72 @@ def test_folder_of_jsonl_files_is_read_in_sorted_order(tmp_path):
   assert [d["title"] for d in documents("jsonl", [str(tmp_path / "docs")])] == ["A", "B", "C"]
 
 
+def test_folder_reads_jsonl_in_any_case_and_warns_of_other_files(tmp_path, caplog):
+  docs = tmp_path / "docs"
+  os.makedirs(docs)
+  write_jsonl(docs / "a.jsonl", [{"title": "A", "text": "a"}])
+  write_jsonl(docs / "C.JSONL", [{"title": "C", "text": "c"}])
+  write_jsonl(docs / "d.json", [{"title": "D", "text": "d"}])
+  (docs / "b.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00")
+  with caplog.at_level("WARNING"):
+    got = [(d["title"], d["where"]) for d in documents("jsonl", [str(docs)])]
+  assert got == [("C", f"{docs}/C.JSONL:1"), ("A", f"{docs}/a.jsonl:1")]  # sorted by name
+  assert (f"Corpus folder {docs}: skipped 2 file(s) not named *.jsonl: b.jsonl.gz, d.json "
+          "(compressed files are not read: decompress them first)") in caplog.text
+  for path in (docs / "b.jsonl.gz", docs / "*.gz"):
+    with pytest.raises(ValueError, match=r"b.jsonl.gz is compressed; compressed files are not "
+                                         r"read. Decompress it first"):
+      list(documents("jsonl", [str(path)]))
+
+
+def test_unprepared_tfds_wikipedia_is_an_error_not_a_download(tmp_path, monkeypatch):
+  import tensorflow_datasets as tfds
+
+  def download(*args, **kwargs):
+    raise AssertionError("the Wikipedia dump download was started")
+
+  monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", download)
+  monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+  with pytest.raises(FileNotFoundError, match=(
+      r"wikipedia/20230601.en is not prepared in .*tfds/wikipedia/20230601.en.*"
+      r"`tfds build wikipedia/20230601.en`, with `--data_dir=DIR` and TFDS_DATA_DIR=DIR")):
+    next(documents("tfds_wikipedia"))
+
+
+def test_corpus_paths_need_source_jsonl(vocab_file):
+  with pytest.raises(ValueError, match=(
+      r"The corpus paths \(a.jsonl, b\) are read only with --config.corpus.source=jsonl, but the "
+      r"source is 'wiki_vital': set --config.corpus.source=jsonl .* drop --config.corpus.paths")):
+    CorpusConfig(paths=("a.jsonl", "b"), vocab_file=vocab_file)
+  with pytest.raises(ValueError, match=r"--config.corpus.block_length=10 leaves fewer than 8"):
+    CorpusConfig(vocab_file=vocab_file, block_length=10)
+
+
+def test_cased_checkpoint_gets_its_own_cased_corpus(tmp_path, vocab_file):
+  cased = tmp_path / "cased"
+  os.makedirs(cased)
+  (cased / "vocab.txt").write_text("\n".join(WORDS + ["Paris"]) + "\n")
+  (cased / "tokenizer_config.json").write_text('{"do_lower_case": false}')
+  uncased = tmp_path / "uncased"
+  os.makedirs(uncased)
+  (uncased / "vocab.txt").write_text("\n".join(WORDS + ["Paris"]) + "\n")
+  path = write_jsonl(tmp_path / "docs.jsonl", [{"title": "Paris", "text": "Paris is big."}])
+  built = {}
+  for name, d in (("cased", cased), ("uncased", uncased)):
+    config = CorpusConfig(source="jsonl", paths=(path,), vocab_file=str(d / "vocab.txt"))
+    built[name] = Corpus.build(str(tmp_path / "data"), config)
+  assert built["cased"].fingerprint != built["uncased"].fingerprint
+  # An explicit do_lower_case: true is the same corpus as no tokenizer_config.json at all.
+  (uncased / "tokenizer_config.json").write_text('{"do_lower_case": true}')
+  assert CorpusConfig(source="jsonl", paths=(path,), vocab_file=str(uncased / "vocab.txt")
+                      ).fingerprint == built["uncased"].fingerprint
+  assert built["cased"].data_dir != built["uncased"].data_dir
+  # "Paris" is id 24 in the cased vocab; lowercased it is "paris", id 6.
+  assert list(built["cased"][0]["title_token_ids"]) == [24]
+  assert list(built["cased"][0]["token_ids"]) == [24, 7, 20, 5]
+  assert list(built["uncased"][0]["token_ids"]) == [6, 7, 20, 5]
+
+
 def test_bad_corpus_files_name_file_and_line(tmp_path, vocab_file):
   bad = tmp_path / "bad.jsonl"
   bad.write_bytes(b'{"title": "ok", "text": "fine"}\n{"title": "x", "text": "caf\xe9"}\n')
@@ -134,6 +240,20 @@ def test_bad_corpus_files_name_file_and_line(tmp_path, vocab_file):
   (tmp_path / "notext.jsonl").write_text('{"title": "a", "text": "b"}\n\n{"title": "no text"}\n')
   with pytest.raises(ValueError, match=r'notext.jsonl:3: each line must be an object with a "text"'):
     list(read_jsonl(str(tmp_path / "notext.jsonl")))
+  # Valid JSON, but a half of a UTF-16 surrogate pair is no text (the tokenizer refuses it).
+  (tmp_path / "surr.jsonl").write_text(
+      '{"text": "ok"}\n{"title": "x", "text": "Broken \\ud800 x"}\n')
+  with pytest.raises(ValueError, match=r'surr.jsonl:2: "text" holds a lone UTF-16 surrogate '
+                                       r"'\\ud800' at character 7"):
+    list(read_jsonl(str(tmp_path / "surr.jsonl")))
+  # A byte-order mark at the start is read as UTF-8 (its line 1 intact); a gzip file, named .jsonl
+  # or not, is refused.
+  (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"title": "t", "text": "a"}\n')
+  assert [d["text"] for d in read_jsonl(str(tmp_path / "bom.jsonl"))] == ["a"]
+  import gzip
+  (tmp_path / "packed.jsonl").write_bytes(gzip.compress(b'{"text": "a"}\n'))
+  with pytest.raises(ValueError, match=r"packed.jsonl is gzip-compressed; decompress it first"):
+    list(read_jsonl(str(tmp_path / "packed.jsonl")))
   (tmp_path / "broken.jsonl").write_text('{"text": "a"\n')
   with pytest.raises(ValueError, match=r"broken.jsonl:1: not valid JSON"):
     list(read_jsonl(str(tmp_path / "broken.jsonl")))

@@ -101,5 +101,60 @@ def test_embedding_dir_of_other_settings_is_refused(setup, tmp_path):
   from realm_jax.text import BertTokenizer
   tok = BertTokenizer(str(setup / "vocab.txt"))
   embed_corpus(corpus, fake, tok, str(tmp_path / "emb"), 48, shard_size=8, fingerprint="a")
-  with pytest.raises(ValueError, match="holds embeddings made with other settings"):
+  # Only the shard size differs: the directory's name comes from everything else.
+  with pytest.raises(ValueError, match=(
+      f"shard_size=8 \\(now 4\\). To reuse them pass --config.shard_size=8; to re-embed instead, "
+      f"delete {tmp_path / 'emb'}.")):
+    embed_corpus(corpus, fake, tok, str(tmp_path / "emb"), 48, shard_size=4, fingerprint="a")
+  with pytest.raises(ValueError, match=(
+      f"{tmp_path / 'emb'} holds embeddings made with other settings: fingerprint='a' "
+      f"\\(now 'b'\\). To re-embed, delete {tmp_path / 'emb'}.")):
     embed_corpus(corpus, fake, tok, str(tmp_path / "emb"), 48, shard_size=8, fingerprint="b")
+  for flag in ("shard_size", "batch_size"):
+    with pytest.raises(ValueError, match=f"--config.{flag}=0: must be a positive number of rows"):
+      embed_corpus(corpus, fake, tok, str(tmp_path / "emb0"), 48, **{flag: 0})
+  assert not (tmp_path / "emb0").exists()
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory, setup):
+  """A plain BERT checkpoint (config.json, model.safetensors, vocab.txt) of a cased tokenizer."""
+  import jax
+  from realm_jax.checkpoints import save_hf_checkpoint
+  from realm_jax.models import BertModel, tiny_config
+  path = tmp_path_factory.mktemp("bert")
+  config = tiny_config(vocab_size=56, max_position_embeddings=64)
+  x = np.ones((1, 8), np.int32)
+  params = BertModel(config, add_pooling_layer=True).init(jax.random.key(0), x, x, x)["params"]
+  save_hf_checkpoint(str(path), config, params, kind="bert")
+  (path / "vocab.txt").write_bytes((setup / "vocab.txt").read_bytes())
+  (path / "tokenizer_config.json").write_text('{"do_lower_case": false}')
+  return path
+
+
+def test_tower_of_plain_bert_weights(bert_dir):
+  from realm_jax.retrieval.towers import load_towers
+  tower = load_towers(str(bert_dir))["document"]
+  assert tower.dim == 32 and not tower.tokenizer.lowercase  # mean pooling; the checkpoint is cased
+  with pytest.raises(ValueError, match=(
+      f"--config.pooling=projected_cls needs REALM embedder or scorer weights.*; {bert_dir} is a "
+      "plain BERT without it. Use --config.pooling=mean")):
+    load_towers(str(bert_dir), pooling="projected_cls")
+  with pytest.raises(ValueError, match="all-MiniLM-L6-v2 is a plain BERT"):
+    load_towers("minilm", pooling="projected_cls")
+
+
+def test_orbax_checkpoint_as_weights_says_what_to_pass(tmp_path):
+  from realm_jax.retrieval.towers import load_towers
+  from realm_jax.train import checkpoints
+  workdir = tmp_path / "ict"
+  manager = checkpoints.checkpoint_manager(str(workdir / "checkpoints"), asynchronous=False,
+                                           data=False)
+  checkpoints.save(manager, 3, {"w": np.zeros(2, np.float32)}, {"step": 3})
+  manager.wait_until_finished()
+  for weights in (workdir, workdir / "checkpoints", workdir / "checkpoints" / "3"):
+    with pytest.raises(FileNotFoundError, match=(
+        f"{weights} holds orbax checkpoints of a realm_jax training run \\(work directory "
+        f"{workdir}\\).*experiments/ict.py.* pass {workdir}/export. Pre-training and fine-tuning "
+        "checkpoints cannot be used directly")):
+      load_towers(str(weights))

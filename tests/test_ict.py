@@ -192,7 +192,9 @@ def test_tiny_run_exports_towers_that_index_pretraining_and_restore_accept(corpu
   trainer.run()
   trained = jax.device_get(trainer.state.params)
   export = os.path.join(workdir, "export")
-  assert sorted(os.listdir(export)) == ["config.json", "model.safetensors", "vocab.txt"]
+  # MiniLM's tokenizer_config.json (do_lower_case) goes with its vocab.
+  assert sorted(os.listdir(export)) == ["config.json", "model.safetensors",
+                                        "tokenizer_config.json", "vocab.txt"]
   logged = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert [(m["step"], m["split"]) for m in logged if m["split"] == "heldout"] == [
       (0, "heldout"), (2, "heldout"), (4, "heldout")]
@@ -239,3 +241,25 @@ def test_tiny_run_exports_towers_that_index_pretraining_and_restore_accept(corpu
   assert again.train_iter.get_state() == trainer.train_iter.get_state()
   for a, b in zip(jax.tree.leaves(jax.device_get(again.state.params)), jax.tree.leaves(trained)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_export_of_a_cased_checkpoint_stays_cased(tmp_path):
+  """The export copies the tokenizer_config.json beside the vocab: a cased warm start is indexed and
+  pre-trained cased (without it the export would be read as uncased)."""
+  from realm_jax.text import checkpoint_lowercase
+  config = tiny_config(vocab_size=16, max_position_embeddings=32)
+  ids = np.ones((1, 8), np.int32)
+  q = dict(input_ids=ids, attention_mask=ids, token_type_ids=0 * ids)
+  params = RealmRetriever(config, share_embedders=False).init(
+      jax.random.key(0), q, {k: v[:, None] for k, v in q.items()})["params"]
+  words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Paris", "paris"]
+  for casing, lowercase in ((None, True), (False, False)):
+    src = tmp_path / f"src-{casing}"
+    src.mkdir()
+    (src / "vocab.txt").write_text("\n".join(words) + "\n")
+    if casing is not None:
+      (src / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": casing}))
+    export = tmp_path / f"export-{casing}"
+    ict.export_retriever(str(export), config, params, str(src / "vocab.txt"))
+    assert checkpoint_lowercase(export / "vocab.txt") is lowercase
+    assert (export / "tokenizer_config.json").exists() == (casing is not None)

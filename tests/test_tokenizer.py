@@ -70,3 +70,29 @@ def test_bad_input_errors(vocab_file, tmp_path):
   (tmp_path / "words.txt").write_text("a\nb\nc\n")
   with pytest.raises(ValueError, match=r"lacks the BERT special tokens \['\[PAD\]'"):
     BertTokenizer(tmp_path / "words.txt")
+
+
+def test_casing_follows_the_checkpoints_tokenizer_config(tmp_path):
+  words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "paris", "Paris", "cafe", "Café"]
+  uncased, cased = tmp_path / "uncased", tmp_path / "cased"
+  for d in (uncased, cased):
+    d.mkdir()
+    (d / "vocab.txt").write_text("\n".join(words) + "\n", encoding="utf-8")
+  (cased / "tokenizer_config.json").write_text('{"do_lower_case": false}')
+  # No tokenizer_config.json: uncased, as MiniLM and REALM (lowercased, accents stripped).
+  assert BertTokenizer(uncased / "vocab.txt").encode("Paris Café") == [5, 7]
+  assert not BertTokenizer(cased / "vocab.txt").lowercase
+  assert BertTokenizer(cased / "vocab.txt").encode("Paris Café") == [6, 8]
+  assert BertTokenizer(cased / "vocab.txt", lowercase=True).encode("Paris Café") == [5, 7]
+  (uncased / "tokenizer_config.json").write_text('{"do_lower_case": true, "model_max_length": 512}')
+  assert BertTokenizer(uncased / "vocab.txt").lowercase
+  (cased / "tokenizer_config.json").write_text('{"do_lower_case": "no"}')
+  with pytest.raises(ValueError, match=r"cased/tokenizer_config.json: do_lower_case='no' must be"):
+    BertTokenizer(cased / "vocab.txt")
+
+
+def test_lone_surrogate_is_a_clear_error(vocab_file):
+  tok = BertTokenizer(vocab_file)
+  with pytest.raises(ValueError, match=r"text #1 holds a lone UTF-16 surrogate '\\ud800' at "
+                                       "character 7"):
+    tok.encode_batch(["hello", "Broken \ud800 x"])

@@ -221,7 +221,31 @@ def to_hf_state_dict(params: Mapping, kind: str, extras: Mapping[str, np.ndarray
 _SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 
 
+def _training_run(path: str, names: list[str]) -> str | None:
+  """The work directory of the realm_jax training run whose orbax checkpoints `path` holds: a step
+  directory (`<workdir>/checkpoints/<step>`), the `checkpoints` folder, or the work directory; None
+  when it is none of these. `names`: the entries of `path`."""
+  p = as_path(path)
+  if "_CHECKPOINT_METADATA" in names or {"state", "meta"} <= set(names):  # orbax's step layout
+    return str(p.parent.parent)
+  if any(n.isdigit() and (p / n / "_CHECKPOINT_METADATA").exists() for n in names):
+    return str(p.parent)
+  if "checkpoints" in names and (p / "checkpoints").is_dir():
+    return path
+  return None
+
+
 def _no_safetensors(path: str, names: list[str]) -> FileNotFoundError:
+  workdir = _training_run(path, names)
+  if workdir is not None:
+    export = os.path.join(workdir, "export")
+    return FileNotFoundError(
+        f"{path} holds orbax checkpoints of a realm_jax training run (work directory {workdir}), "
+        "not a Hugging Face checkpoint (config.json + model.safetensors). An ICT run "
+        "(experiments/ict.py) exports its retriever as one to <workdir>/export when it ends "
+        f"(run it again with the same --config and --workdir={workdir} to write a missing "
+        f"export): pass {export}. Pre-training and fine-tuning checkpoints cannot be used "
+        "directly: realm_jax has no export of their retriever.")
   pickled = [f for f in names if f.endswith(_PICKLE_SUFFIXES)]
   hint = (f" It has {pickled[0]}, a pickle, which realm_jax does not load." if pickled else "")
   return FileNotFoundError(
@@ -239,7 +263,8 @@ def _local_checkpoint(path: str) -> str:
     parent, name = path.rsplit("/", 1)
     return os.path.join(_local_checkpoint(parent), name)
   names = [p.name for p in src.iterdir()] if src.is_dir() else []
-  if "config.json" in names and not any(f in names for f in _SAFETENSORS):  # before a download
+  if not any(f in names for f in _SAFETENSORS) and (  # before a download
+      "config.json" in names or _training_run(path, names) is not None):
     raise _no_safetensors(path, names)
   return local_copy_of_dir(path, marker="config.json", what="Checkpoint directory")
 

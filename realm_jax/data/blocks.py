@@ -2,14 +2,17 @@
 
 A block is `[CLS] title [SEP] body [SEP]` of at most `block_length` word pieces (288 in REALM): the
 body is as many whole consecutive sentences as fit; a single sentence longer than the budget is cut
-into budget-sized pieces. Each block has a stable id, the SHA-1 of title and body (as in the
-released REALM code), truncated to a positive int64.
+between words into pieces that fit (inside a word only where one word alone is longer), each piece
+keeping its own text. A title so long that it leaves fewer than `MIN_BODY_PIECES` for text is cut,
+with a warning. Each block has a stable id, the SHA-1 of title and body (as in the released REALM
+code), truncated to a positive int64.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import re
 from collections.abc import Iterator
 
@@ -19,8 +22,11 @@ from realm_jax.text import BertTokenizer
 
 BLOCKINGS = ("sentences", "article")
 # Part of every corpus fingerprint: bump it when blocks come out differently, so that corpora built
-# by older code are rebuilt rather than reused.
-BLOCKING_VERSION = 2
+# by older code are rebuilt rather than reused. 3: a sentence longer than a block is cut between
+# words and keeps its own text (2 cut anywhere and kept the decoded word pieces).
+BLOCKING_VERSION = 3
+# Word pieces of text a block keeps at least, however long its title.
+MIN_BODY_PIECES = 8
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,14 +57,35 @@ def block_id(title: str, body: str) -> int:
   return int.from_bytes(digest[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def cut_text(text: str, tokenizer: BertTokenizer, length: int) -> list[tuple[str, list[int]]]:
+  """`text` cut into pieces of at most `length` word pieces: [(its substring of `text`, ids)].
+
+  Each piece ends before a space if one is in reach, else before the start of a word (a word
+  piece that is not "##..."), else inside a word (only where one word alone is longer).
+  """
+  ((ids, offsets),) = tokenizer.encode_batch_with_offsets([text])
+  starts_word = ~tokenizer.continuation[np.asarray(ids, np.int64)]  # [n] bool
+  pieces, lo = [], 0
+  while lo < len(ids):
+    hi = min(lo + length, len(ids))
+    if hi < len(ids):
+      ends = range(hi, lo, -1)
+      hi = next((h for h in ends if starts_word[h] and offsets[h][0] > offsets[h - 1][1]),
+                next((h for h in ends if starts_word[h]), hi))
+    pieces.append((text[offsets[lo][0]:offsets[hi - 1][1]], ids[lo:hi]))
+    lo = hi
+  return pieces
+
+
 def pack_blocks(title: str, text: str, tokenizer: BertTokenizer, block_length: int = 288,
-                blocking: str = "sentences") -> Iterator[dict]:
+                blocking: str = "sentences", where: str = "") -> Iterator[dict]:
   """Yields the blocks of one document.
 
   Each block: `block_id`, `title`, `body` (its sentences joined by spaces), `title_token_ids`,
   `token_ids` (body word pieces), `sentence_starts` (offset of each sentence in `token_ids`).
   With blocking="article" the whole document is one block, untruncated (for article-level
   retrieval such as the MiniLM baseline; truncation then happens when it is embedded).
+  `where` names the document in warnings (e.g. "docs.jsonl:12").
   """
   if blocking not in BLOCKINGS:
     raise ValueError(f"blocking={blocking!r}: use one of {BLOCKINGS}.")
@@ -70,10 +97,19 @@ def pack_blocks(title: str, text: str, tokenizer: BertTokenizer, block_length: i
   budget = block_length - 3 - len(title_ids)
   if blocking == "article":
     budget = float("inf")
-  elif budget < 8:
-    raise ValueError(
-        f"Title {title[:80]!r} has {len(title_ids)} word pieces: with block_length={block_length} "
-        "that leaves fewer than 8 for text. Shorten the title or raise block_length.")
+  elif budget < MIN_BODY_PIECES:
+    most = block_length - 3 - MIN_BODY_PIECES
+    if most < 1:
+      raise ValueError(
+          f"block_length={block_length} leaves fewer than {MIN_BODY_PIECES} word pieces for text "
+          f"after [CLS] title [SEP] ... [SEP]: use block_length >= {MIN_BODY_PIECES + 4}.")
+    cut, cut_ids = cut_text(title, tokenizer, most)[0]
+    logging.warning(
+        "%s: the title %r has %d word pieces, which leaves fewer than %d for text in a block of "
+        "block_length=%d; it is cut to its first %d.", where or "A document", title[:80],
+        len(title_ids), MIN_BODY_PIECES, block_length, len(cut_ids))
+    title, title_ids = cut, cut_ids
+    budget = block_length - 3 - len(title_ids)
 
   pieces: list[tuple[str, list[int]]] = []
   for sent, ids in zip(sentences, sent_ids):
@@ -81,10 +117,8 @@ def pack_blocks(title: str, text: str, tokenizer: BertTokenizer, block_length: i
       continue
     if len(ids) <= budget:
       pieces.append((sent, ids))
-    else:  # a sentence longer than a whole block: cut it into budget-sized pieces
-      for lo in range(0, len(ids), budget):
-        chunk = ids[lo:lo + budget]
-        pieces.append((tokenizer.decode(chunk), chunk))
+    else:  # a sentence longer than a whole block
+      pieces += cut_text(sent, tokenizer, budget)
 
   def make(group):
     body = " ".join(s for s, _ in group)

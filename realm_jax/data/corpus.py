@@ -27,9 +27,9 @@ import tensorflow_datasets as tfds
 import tensorflow_datasets.core  # noqa: F401  (tfds.core is not imported by the package itself)
 
 from realm_jax import io_utils
-from realm_jax.data.blocks import BLOCKING_VERSION, BLOCKINGS, pack_blocks
+from realm_jax.data.blocks import BLOCKING_VERSION, BLOCKINGS, MIN_BODY_PIECES, pack_blocks
 from realm_jax.data.sources import SOURCES, documents, jsonl_files
-from realm_jax.text import BertTokenizer, batch_join
+from realm_jax.text import BertTokenizer, batch_join, checkpoint_lowercase
 
 BLOCK_IDS = "block_ids.safetensors"
 # Written by TFDS once a build is complete: the last file uploaded, and the first one looked for.
@@ -52,15 +52,29 @@ class CorpusConfig:
       raise ValueError(f"corpus source={self.source!r}: use one of {SOURCES}.")
     if self.blocking not in BLOCKINGS:
       raise ValueError(f"corpus blocking={self.blocking!r}: use one of {BLOCKINGS}.")
+    if self.blocking == "sentences" and self.block_length < MIN_BODY_PIECES + 4:
+      raise ValueError(
+          f"--config.corpus.block_length={self.block_length} leaves fewer than {MIN_BODY_PIECES} "
+          f"word pieces for text after [CLS] title [SEP] ... [SEP]: use at least "
+          f"{MIN_BODY_PIECES + 4} (REALM: 288).")
     if not self.vocab_file:
       raise ValueError("The corpus needs vocab_file: the vocab.txt of the model that embeds it.")
+    if self.paths and self.source != "jsonl":
+      raise ValueError(
+          f"The corpus paths ({', '.join(self.paths)}) are read only with "
+          f"--config.corpus.source=jsonl, but the source is {self.source!r}: set "
+          f"--config.corpus.source=jsonl to index these files, or drop --config.corpus.paths to "
+          f"index {self.source}.")
 
   @property
   def fingerprint(self) -> str:
+    """12 hex digits of everything that makes the blocks: settings, tokenizer, source files."""
     h = hashlib.sha256()
     h.update(repr((BLOCKING_VERSION, self.source, self.block_length, self.blocking, self.max_docs,
                    self.tfds_name)).encode())
     h.update(io_utils.as_path(self.vocab_file).read_bytes())
+    if not checkpoint_lowercase(self.vocab_file):  # only then: uncased corpora keep their names
+      h.update(b"cased")
     if self.source == "jsonl":  # the files' names, sizes and times: a changed file is a new corpus
       for p in jsonl_files(self.paths):
         if io_utils.is_remote(p):
@@ -104,7 +118,8 @@ class RealmBlocks(tfds.core.GeneratorBasedBuilder):
     tok = BertTokenizer(c.vocab_file)
     seen, row, duplicates = set(), 0, 0
     for doc in documents(c.source, c.paths, c.tfds_name, c.max_docs):
-      for block in pack_blocks(doc["title"], doc["text"], tok, c.block_length, c.blocking):
+      for block in pack_blocks(doc["title"], doc["text"], tok, c.block_length, c.blocking,
+                               doc["where"]):
         if block["block_id"] in seen:  # the same title and body twice: keep the first
           duplicates += 1
           continue
@@ -164,7 +179,11 @@ class Corpus:
     return len(self.block_ids)
 
   def __getitem__(self, row: int) -> dict:
-    ex = self._source[int(row)]
+    """The block at `row`; negative rows count from the end, as in a list."""
+    n = len(self)
+    if not -n <= int(row) < n:  # IndexError ends `for block in corpus`
+      raise IndexError(f"Row {row} is out of range: the corpus at {self.data_dir} has {n} blocks.")
+    ex = self._source[int(row) % n]
     return {**ex, "title": _text(ex["title"]), "body": _text(ex["body"])}
 
   def rows_of(self, block_ids) -> np.ndarray:

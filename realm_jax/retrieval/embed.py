@@ -152,6 +152,16 @@ def embed_in_buckets(embed_fn: Callable[[Batch], jax.Array], inputs: Batch, batc
   return out
 
 
+def _other_settings(out_dir: str, old: dict, new: dict) -> str:
+  """The error for an embedding directory made with `old` settings, asked for `new` ones."""
+  diff = sorted(k for k in new.keys() | old.keys() if old.get(k) != new.get(k))
+  said = ", ".join(f"{k}={old.get(k)!r} (now {new.get(k)!r})" for k in diff)
+  # The directory's name comes from the other settings: only the shard size can differ in it.
+  reuse = (f"To reuse them pass --config.shard_size={old['shard_size']}; to re-embed instead, "
+           if diff == ["shard_size"] else "To re-embed, ")
+  return f"{out_dir} holds embeddings made with other settings: {said}. {reuse}delete {out_dir}."
+
+
 def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_dir: str,
                  max_length: int = 288, truncate: str = "b", shard_size: int = 4096,
                  batch_size: int = 64, mesh: Mesh | None = None,
@@ -163,10 +173,14 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
   one object, which appears only when whole): a killed run resumes at the first missing shard and
   ends with the same result as an uninterrupted one. `fingerprint` (corpus + model + settings) is
   recorded in `out_dir/embedding.json`; a directory made for another fingerprint is refused rather
-  than mixed.
+  than mixed. `shard_size` and `batch_size` are `--config.shard_size` / `--config.batch_size` of
+  experiments/build_index.py, and are named so in errors.
   """
   from safetensors.numpy import load_file, save_file
 
+  for flag, value in (("shard_size", shard_size), ("batch_size", batch_size)):
+    if value < 1:
+      raise ValueError(f"--config.{flag}={value!r}: must be a positive number of rows.")
   n = len(corpus)
   if n == 0:
     raise ValueError(f"Nothing to embed: the corpus at {corpus.data_dir} is empty.")
@@ -177,9 +191,7 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
   if as_path(meta_path).exists():
     old = read_json(meta_path)
     if old != meta:
-      raise ValueError(
-          f"{out_dir} holds embeddings made with other settings ({old}); expected {meta}. "
-          "Use another directory, or delete this one to re-embed.")
+      raise ValueError(_other_settings(out_dir, old, meta))
   else:
     write_json(meta_path, meta)
   shard_name = lambda s: f"shard-{s:05d}-of-{num_shards:05d}.safetensors"

@@ -18,6 +18,7 @@ import numpy as np
 from realm_jax.checkpoints import detect_kind, from_hf_state_dict, load_minilm, read_state_dict
 from realm_jax.io_utils import as_path
 from realm_jax.models import RealmConfig, RealmEmbedder
+from realm_jax.models.retriever import POOLINGS
 from realm_jax.text import BertTokenizer
 
 Batch = dict[str, np.ndarray]
@@ -40,6 +41,16 @@ def params_fingerprint(params, extra: str = "") -> str:
   return h.hexdigest()[:16]
 
 
+def _bert_pooling(pooling: str | None, weights: str) -> str:
+  """The pooling of plain BERT weights, which have no [CLS] projection: mean."""
+  if pooling == "projected_cls":
+    raise ValueError(
+        f"--config.pooling=projected_cls needs REALM embedder or scorer weights, which hold the "
+        f"projection of [CLS] (`cls.dense`); {weights} is a plain BERT without it. Use "
+        "--config.pooling=mean (or auto) with these weights.")
+  return "mean"
+
+
 def load_towers(weights: str = "minilm", pooling: str | None = None,
                 normalize: bool | None = None, dtype: str = "float32",
                 vocab_file: str | None = None) -> dict[str, Tower]:
@@ -51,11 +62,14 @@ def load_towers(weights: str = "minilm", pooling: str | None = None,
     weights: "minilm" or a HF checkpoint directory.
     pooling: "mean" or "projected_cls"; default: mean for BERT weights, projected_cls for REALM.
     normalize: L2-normalise embeddings; default: True for mean pooling.
-    vocab_file: default: vocab.txt beside the weights.
+    vocab_file: default: vocab.txt beside the weights. Its text is lowercased unless the
+      tokenizer_config.json beside it says `"do_lower_case": false` (a cased checkpoint).
   """
+  if pooling not in (None, *POOLINGS):
+    raise ValueError(f"--config.pooling={pooling}: use auto, {' or '.join(POOLINGS)}.")
   if weights == "minilm":
     config, bert, vocab = load_minilm(dtype)
-    towers, pooling = {"document": {"realm": bert}}, pooling or "mean"
+    towers, pooling = {"document": {"realm": bert}}, _bert_pooling(pooling, "all-MiniLM-L6-v2")
   else:
     if not as_path(weights).is_dir():
       raise FileNotFoundError(
@@ -68,7 +82,7 @@ def load_towers(weights: str = "minilm", pooling: str | None = None,
     config = RealmConfig.from_json_file(os.path.join(weights, "config.json")).replace(dtype=dtype)
     loaded, _ = from_hf_state_dict(state, kind, config, source=weights)
     if kind == "bert":
-      towers, pooling = {"document": {"realm": loaded}}, pooling or "mean"
+      towers, pooling = {"document": {"realm": loaded}}, _bert_pooling(pooling, weights)
     elif kind == "embedder":
       towers, pooling = {"document": loaded}, pooling or "projected_cls"
     else:

@@ -1,5 +1,5 @@
 """Text processing: BERT WordPiece tokenisation and REALM's input layouts."""
 
-from realm_jax.text.tokenizer import BertTokenizer, batch_join, join_bert
+from realm_jax.text.tokenizer import BertTokenizer, batch_join, checkpoint_lowercase, join_bert
 
-__all__ = ["BertTokenizer", "batch_join", "join_bert"]
+__all__ = ["BertTokenizer", "batch_join", "checkpoint_lowercase", "join_bert"]

@@ -8,7 +8,9 @@ joint inputs) is built the same way.
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,15 +23,38 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # Longer texts are certainly a mistake (a whole file passed as one document, ...): refuse them
 # before spending time on tokenisation.
 MAX_TEXT_CHARS = 1_000_000
+# Half of a UTF-16 surrogate pair on its own: JSON can spell one (a "\ud800" escape), but it is
+# no character, and the Rust tokenizer refuses a str holding one with a bare TypeError.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def checkpoint_lowercase(vocab_file: str | os.PathLike) -> bool:
+  """Whether the checkpoint of `vocab_file` lowercases its text: `do_lower_case` of the Hugging
+  Face `tokenizer_config.json` beside it; True (uncased, as MiniLM and REALM) without that file or
+  that key."""
+  path = as_path(vocab_file).parent / TOKENIZER_CONFIG
+  if not path.exists():
+    return True
+  try:
+    value = json.loads(path.read_bytes().decode("utf-8")).get("do_lower_case", True)
+  except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+    raise ValueError(f"{path} is not a JSON object ({e}): fix or delete it (without it the "
+                     "checkpoint is taken for uncased).") from None
+  if not isinstance(value, bool):
+    raise ValueError(f"{path}: do_lower_case={value!r} must be true or false.")
+  return value
 
 
 class BertTokenizer:
-  """WordPiece tokenizer of an uncased (default) or cased BERT vocab file (local or gs://).
+  """WordPiece tokenizer of an uncased or cased BERT vocab file (local or gs://).
 
-  Attributes: `vocab_size`, `continuation` ([vocab_size] bool: a "##" piece), and the ids `pad_id`, `unk_id`, `cls_id`, `sep_id`, `mask_id`.
+  Attributes: `vocab_file`, `lowercase`, `vocab_size`, `continuation` ([vocab_size] bool: a "##"
+  piece), and the ids `pad_id`, `unk_id`, `cls_id`, `sep_id`, `mask_id`.
   """
 
-  def __init__(self, vocab_file: str | os.PathLike, lowercase: bool = True):
+  def __init__(self, vocab_file: str | os.PathLike, lowercase: bool | None = None):
+    """`lowercase` (and, as in BERT, strip accents): default `checkpoint_lowercase(vocab_file)`."""
     vocab_file = os.fspath(vocab_file)
     if not as_path(vocab_file).is_file():  # local or gs://
       raise FileNotFoundError(
@@ -48,7 +73,9 @@ class BertTokenizer:
       raise ValueError(
           f"Vocab file {vocab_file} lacks the BERT special tokens {missing}; it is not a BERT "
           "WordPiece vocab (one token per line, with [PAD] [UNK] [CLS] [SEP] [MASK]).")
-    self.vocab_file = vocab_file
+    if lowercase is None:
+      lowercase = checkpoint_lowercase(vocab_file)
+    self.vocab_file, self.lowercase = vocab_file, lowercase
     self.vocab_size = max(vocab.values()) + 1
     # Which ids continue a word ("##ing"): answer spans must not start or end inside a word.
     self.continuation = np.zeros(self.vocab_size, bool)
@@ -70,6 +97,11 @@ class BertTokenizer:
       raise ValueError(
           f"{what} has {len(text):,} characters (limit {MAX_TEXT_CHARS:,}): split long documents "
           "into blocks first.")
+    bad = _SURROGATE.search(text)
+    if bad:
+      raise ValueError(
+          f"{what} holds a lone UTF-16 surrogate {bad.group()!r} at character {bad.start()}: it "
+          "is not valid Unicode text. Fix the text where it was made.")
 
   def encode(self, text: str) -> list[int]:
     """Word-piece ids of one text, without special tokens."""

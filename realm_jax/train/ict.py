@@ -39,6 +39,7 @@ from realm_jax.models.config import RealmConfig
 from realm_jax.models.retriever import RealmRetriever
 from realm_jax.retrieval.build import open_corpus
 from realm_jax.text import BertTokenizer, join_bert
+from realm_jax.text.tokenizer import TOKENIZER_CONFIG
 from realm_jax.train import checkpoints, optimizer
 from realm_jax.train.init import overlay, sized_model_config
 from realm_jax.train.metrics_writer import MetricsWriter
@@ -276,13 +277,16 @@ def jit_steps(model: RealmRetriever, mesh: Mesh, dropout: bool = True):
 
 def export_retriever(directory: str, model_config: RealmConfig, params, vocab_file: str) -> None:
   """Writes `directory` as a HF REALM scorer (config.json, model.safetensors with `embedder` and
-  `query_embedder`, vocab.txt), atomically: readers see the old directory or the new one (on gs://,
+  `query_embedder`, vocab.txt and the tokenizer_config.json beside it, if any), atomically: readers see the old directory or the new one (on gs://,
   a directory whose config.json exists: it is uploaded last)."""
   params = jax.device_get(params)
 
   def write(tmp: str):
     save_hf_checkpoint(tmp, model_config, params, kind="retriever")
     as_path(vocab_file).copy(os.path.join(tmp, "vocab.txt"))
+    casing = as_path(vocab_file).parent / TOKENIZER_CONFIG  # a cased checkpoint stays cased
+    if casing.exists():
+      casing.copy(os.path.join(tmp, TOKENIZER_CONFIG))
 
   if is_remote(directory):
     # The upload is skipped when config.json is unchanged, and it does not change with the weights.
