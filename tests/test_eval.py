@@ -29,6 +29,10 @@ def test_has_answer_matches_whole_words_only():
   assert not has_answer(text, ["198"]) and not has_answer(text, ["Dodger"])
   assert not has_answer(text, ["", "a"])  # empty after normalisation never matches
   assert has_answer("Salzburg, Austria", ["Vienna", "Austria"])
+  # A bare string would be matched character by character ("1" occurs as a word here).
+  for check in (has_answer, exact_match):
+    with pytest.raises(TypeError, match="not the single string '1945': wrap it in a list"):
+      check("Chapter 1 covers the war", "1945")
 
 
 def test_exact_match_and_regex_match():

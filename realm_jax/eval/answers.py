@@ -29,8 +29,16 @@ def normalize_answer(text: str) -> str:
   return " ".join(text.split())
 
 
+def _answer_list(answers: Iterable[str]) -> Iterable[str]:
+  if isinstance(answers, (str, bytes)):  # would be read character by character
+    raise TypeError(f"answers must be a list of strings, not the single string {answers!r}: "
+                    "wrap it in a list.")
+  return answers
+
+
 def has_answer(text: str, answers: Iterable[str], normalized_text: str | None = None) -> bool:
   """Whether any answer occurs in `text` as a sequence of whole normalised words."""
+  answers = _answer_list(answers)
   hay = " " + (normalized_text if normalized_text is not None else normalize_answer(text)) + " "
   for a in answers:
     needle = normalize_answer(a)
@@ -41,7 +49,7 @@ def has_answer(text: str, answers: Iterable[str], normalized_text: str | None = 
 
 def exact_match(prediction: str, answers: Iterable[str]) -> bool:
   p = normalize_answer(prediction)
-  return any(p == normalize_answer(a) for a in answers)
+  return any(p == normalize_answer(a) for a in _answer_list(answers))
 
 
 @functools.lru_cache(maxsize=4096)

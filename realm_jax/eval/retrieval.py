@@ -53,7 +53,10 @@ def evaluate_retrieval(tower, index, corpus, questions: Sequence[dict],
   start = time.perf_counter()
   q_emb = embed_questions(tower, [q["question"] for q in questions])
   _, ids = index.search(q_emb, max(ks))
-  hits = retrieval_hits(corpus, ids, [q["answer"] for q in questions])
+  # {"answer": [...]} as NQ-Open files and load_qa_jsonl have it, or {"answers": [...]} as
+  # read_qa_file gives it.
+  hits = retrieval_hits(corpus, ids, [q["answers"] if "answers" in q else q["answer"]
+                                      for q in questions])
   recall = recall_at_k(hits, ks)
   logging.info("recall %s on %d questions in %.1f s", recall, len(questions),
                time.perf_counter() - start)
