@@ -183,6 +183,21 @@ def test_finished_run_does_nothing_and_other_config_is_refused(data_dir, uninter
   assert code != 0 and "another config" in out and "max_masked" in out
 
 
+def test_a_run_over_other_blocks_is_refused(tmp_path, data_dir, uninterrupted):
+  """Its indexes name another corpus (its files changed, or a newer realm_jax cuts blocks
+  differently): continuing it would mix checkpoints and data of other blocks. (The copy resumes
+  with its own indexes, not those of the directory it was copied from.)"""
+  import shutil
+  workdir = tmp_path / "w"
+  shutil.copytree(uninterrupted, workdir)
+  for manifest in workdir.glob("index/index-*/manifest.json"):
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()),
+                                    "corpus_fingerprint": "0123456789ab"}))
+  code, out = run(str(workdir), data_dir, "--config.num_steps=8")
+  assert code != 0 and "holds a run over other blocks (corpus 0123456789ab, now" in out
+  assert "another --workdir" in out
+
+
 def test_a_workdir_from_before_a_fixed_setting_existed_takes_its_old_value(tmp_path):
   """A config.json without retriever_learning_rate (a run made before it existed) was made with
   one learning rate for everything: resuming with the default is fine, with a separate retriever

@@ -38,7 +38,7 @@ from realm_jax.train.metrics_writer import MetricsWriter
 from realm_jax.train.realm_step import TrainState, eval_step, summarize, train_step
 from realm_jax.train.refresh import (REFRESH_MODES, AsyncIndexWatcher, DocumentEmbedder,
                                      index_step, load_index, refresh)
-from realm_jax.retrieval.index import index_options, latest_index_dir
+from realm_jax.retrieval.index import index_options, latest_index_dir, read_manifest
 
 # Settings that change the shapes of parameters, of the optimiser state (a separate retriever
 # rate adds a partition) or of the data: a workdir keeps its own.
@@ -238,8 +238,17 @@ class Trainer:
     from the current weights (ICT, MiniLM or random)."""
     dim = self.embedder_dim()
     distributed.sync("realm_jax:ensure_index")  # every host sees the same published indexes
+    if path:  # by its name in this run's index folder: a moved or copied workdir uses its own
+      path = os.path.join(self.index_root, os.path.basename(path.rstrip("/")))
     path = path if path and as_path(path).is_dir() else latest_index_dir(self.index_root)
     if path is not None and index_step(path) <= int(self.state.step):
+      corpus = read_manifest(path)["corpus_fingerprint"]
+      if corpus != self.corpus.fingerprint:  # the run's examples and checkpoints are of its blocks
+        raise ValueError(
+            f"{self.workdir} holds a run over other blocks (corpus {corpus}, now "
+            f"{self.corpus.fingerprint}: the corpus files changed, or a newer realm_jax cuts "
+            "blocks differently). Resume it with the corpus and realm_jax it was made with, or "
+            "start anew with another --workdir.")
       self._set_index(load_index(path, self.corpus, dim, self.index_options), path)
     else:
       self._set_index(*refresh(self.index_root, self.embedder, self.state.params["retriever"],
