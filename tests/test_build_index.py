@@ -83,6 +83,21 @@ def test_index_of_another_corpus_is_refused(setup, tmp_path):
   assert build.load_built_index(cfg, str(tmp_path))[1].count == 25
 
 
+def test_bad_settings_fail_before_the_corpus_is_built(setup, tmp_path):
+  _, cfg, _ = setup
+  for key, value, match in (
+      ("index.searcher", "faiss", r"--config.index.searcher='faiss': use one of \('exact'"),
+      ("index.dtype", "float16", r"--config.index.dtype='float16': use one of"),
+      ("truncate", "left", r"--config.truncate='left': use one of \('b', 'longest', 'none'\)"),
+      ("eval.questions", str(tmp_path / "nope.jsonl"), r"nope.jsonl")):
+    bad = cfg.copy_and_resolve_references()
+    section, _, name = key.rpartition(".")
+    setattr(bad[section] if section else bad, name, value)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+      build.build_and_evaluate(bad, str(tmp_path / "w"))
+    assert not (tmp_path / "w").exists()  # nothing built
+
+
 def test_missing_index_and_bad_weights_are_clear(setup, tmp_path):
   root, cfg, _ = setup
   with pytest.raises(FileNotFoundError, match="No index in .*build one with experiments/build_index.py"):

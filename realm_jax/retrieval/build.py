@@ -11,6 +11,7 @@ from realm_jax.eval.retrieval import evaluate_retrieval
 from realm_jax.retrieval.embed import embed_corpus
 from realm_jax.retrieval.index import DocIndex, index_options, latest_index_dir, publish_index
 from realm_jax.retrieval.towers import load_towers
+from realm_jax.text.tokenizer import TRUNCATIONS
 
 _AUTO = {"auto": None, "yes": True, "no": False}
 
@@ -34,6 +35,9 @@ def build_index(config, workdir: str, towers=None):
   """Corpus + weights -> `workdir/index/index-00000000` (published atomically). Returns
   (corpus, index, document tower). Every stage resumes: the corpus and finished embedding shards
   are reused. `towers`: already loaded `towers_of(config)`."""
+  options = index_options(config.index)  # checked before the corpus is built and embedded
+  if config.truncate not in TRUNCATIONS:
+    raise ValueError(f"--config.truncate={config.truncate!r}: use one of {TRUNCATIONS}.")
   tower = (towers or towers_of(config))["document"]
   corpus = open_corpus(config, workdir, tower.tokenizer.vocab_file)
   fingerprint = f"{corpus.fingerprint}-{tower.fingerprint}-{config.max_length}-{config.truncate}"
@@ -41,7 +45,7 @@ def build_index(config, workdir: str, towers=None):
                      os.path.join(workdir, "embeddings", fingerprint), config.max_length,
                      config.truncate, config.shard_size, config.batch_size,
                      fingerprint=fingerprint)
-  index = DocIndex(emb, corpus.block_ids, **index_options(config.index))
+  index = DocIndex(emb, corpus.block_ids, **options)
   path = publish_index(os.path.join(workdir, "index"), index, step=0,
                        model_fingerprint=tower.fingerprint, corpus_fingerprint=corpus.fingerprint)
   logging.info("Index of %d blocks x %d published at %s", len(corpus), emb.shape[1], path)
@@ -67,12 +71,14 @@ def load_built_index(config, workdir: str, towers=None):
 
 def build_and_evaluate(config, workdir: str) -> dict | None:
   """`build_index`, then recall@k on `config.eval.questions` when given."""
+  # The questions are read first: a bad path or line fails before minutes of embedding.
+  questions = (load_qa_jsonl(config.eval.questions, config.eval.limit or None)
+               if config.eval.questions else None)
   towers = towers_of(config)
   corpus, index, _ = build_index(config, workdir, towers)
-  if not config.eval.questions:
+  if questions is None:
     return None
   query_tower = towers["query"]
-  questions = load_qa_jsonl(config.eval.questions, config.eval.limit or None)
   result = evaluate_retrieval(query_tower, index, corpus, questions, tuple(config.eval.ks))
   line = " ".join(f"R@{k}={v:.1f}" for k, v in result["recall"].items())
   print(f"{config.eval.questions}: {len(questions)} questions, {line}")

@@ -484,6 +484,9 @@ SCANN_SETTINGS = ("num_leaves", "num_leaves_to_search", "reorder_num_neighbors",
 def index_options(index_config) -> dict:
   """`DocIndex` keyword arguments from a config's `index` section: `searcher`, `dtype` and, for
   searcher "scann", the non-zero entries of `index.scann` (0: DocIndex's default)."""
+  for key, allowed in (("searcher", SEARCHERS), ("dtype", tuple(DTYPES))):
+    if index_config[key] not in allowed:
+      raise ValueError(f"--config.index.{key}={index_config[key]!r}: use one of {allowed}.")
   options = dict(searcher=index_config.searcher, dtype=index_config.dtype)
   scann = dict(index_config.get("scann") or {})  # absent in configs written before it existed
   unknown = sorted(set(scann) - set(SCANN_SETTINGS))

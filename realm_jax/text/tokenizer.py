@@ -27,6 +27,8 @@ MAX_TEXT_CHARS = 1_000_000
 # no character, and the Rust tokenizer refuses a str holding one with a bare TypeError.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 TOKENIZER_CONFIG = "tokenizer_config.json"
+# How `join_bert` fits two segments into max_length (see there).
+TRUNCATIONS = ("b", "longest", "none")
 
 
 def checkpoint_lowercase(vocab_file: str | os.PathLike) -> bool:
@@ -170,7 +172,7 @@ def join_bert(a: Sequence[int], b: Sequence[int] | None, max_length: int, cls_id
         else:
           a.pop()
     else:
-      raise ValueError(f"truncate={truncate!r}: use 'b', 'longest' or 'none'.")
+      raise ValueError(f"truncate={truncate!r}: use one of {TRUNCATIONS}.")
   ids = [cls_id] + a + [sep_id]
   types = [0] * len(ids)
   if b is not None:
