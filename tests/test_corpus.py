@@ -108,7 +108,7 @@ def corpus_block(corpus, row):
   return list(ex["title_token_ids"]), list(ex["token_ids"])
 
 
-def test_corpus_builds_and_gives_random_access(tmp_path, vocab_file):
+def test_corpus_builds_and_gives_random_access(tmp_path, vocab_file, caplog):
   docs = [{"title": "Paris", "text": "Paris is the capital of France. It has a river."},
           {"title": "Berlin", "text": "Berlin is the capital of Germany."},
           {"title": "Paris", "text": "Paris is the capital of France. It has a river."},  # duplicate
@@ -116,8 +116,11 @@ def test_corpus_builds_and_gives_random_access(tmp_path, vocab_file):
           {"title": "", "text": "\ufeff\u200b"}]  # no word pieces: no block
   path = write_jsonl(tmp_path / "docs.jsonl", docs)
   config = CorpusConfig(source="jsonl", paths=(path,), vocab_file=vocab_file, block_length=288)
-  corpus = Corpus.build(str(tmp_path / "data"), config)
+  with caplog.at_level("WARNING"):
+    corpus = Corpus.build(str(tmp_path / "data"), config)
   assert len(corpus) == 3  # the duplicate block is skipped
+  assert "Skipped 1 duplicate blocks" in caplog.text
+  assert f"Skipped 1 documents without text, e.g. {path}:5." in caplog.text
   assert [corpus[i]["title"] for i in range(3)] == ["Paris", "Berlin", ""]
   b = corpus.get(corpus.block_ids[1])
   assert b["body"] == "Berlin is the capital of Germany." and b["title"] == "Berlin"

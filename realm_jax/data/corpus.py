@@ -116,18 +116,26 @@ class RealmBlocks(tfds.core.GeneratorBasedBuilder):
   def _generate_examples(self):
     c = self._corpus_config
     tok = BertTokenizer(c.vocab_file)
-    seen, row, duplicates = set(), 0, 0
+    seen, row, duplicates, empty = set(), 0, 0, []
     for doc in documents(c.source, c.paths, c.tfds_name, c.max_docs):
+      made = 0
       for block in pack_blocks(doc["title"], doc["text"], tok, c.block_length, c.blocking,
                                doc["where"]):
+        made += 1
         if block["block_id"] in seen:  # the same title and body twice: keep the first
           duplicates += 1
           continue
         seen.add(block["block_id"])
         yield row, block
         row += 1
+      if not made:
+        empty.append(doc["where"])
     if duplicates:
-      logging.info("Skipped %d duplicate blocks.", duplicates)
+      logging.warning("Skipped %d duplicate blocks (the same title and text as an earlier one).",
+                      duplicates)
+    if empty and row:
+      logging.warning("Skipped %d documents without text, e.g. %s.", len(empty),
+                      ", ".join(empty[:5]))
     if row == 0:
       raise ValueError(f"The corpus {c.source} {list(c.paths) or ''} holds no text: nothing to index.")
 
