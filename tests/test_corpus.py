@@ -76,6 +76,14 @@ def test_overlong_sentence_is_cut_between_words_keeping_its_text(tok):
   assert [t for b in blocks for t in b["token_ids"]] == tok.encode(text)
   assert not any(tok.continuation[b["token_ids"][0]] for b in blocks)
   assert blocks[1]["block_id"] == block_id("", "rivers and Berlin has capitals of")
+  # A short lead-in, then a run without spaces (one word piece per character): cut inside the
+  # run, not after "Paris is" (a block of 2 pieces).
+  run = "Paris is " + "\u6771\u4eac" * 12 + "."
+  assert len(tok.encode(run)) == 27
+  cut = list(pack_blocks("", run, tok, block_length=13))  # budget 10
+  assert [len(b["token_ids"]) for b in cut] == [10, 10, 7]
+  assert cut[0]["body"] == "Paris is " + "\u6771\u4eac" * 4
+  assert [t for b in cut for t in b["token_ids"]] == tok.encode(run)
   # One word of 12 pieces (capital + 10 x ##s, then "."): cut inside it, as nothing else fits.
   word = list(pack_blocks("", "Capitalssssssssss.", tok, block_length=11))
   assert [(b["body"], len(b["token_ids"])) for b in word] == [("Capitalsssssss", 8), ("sss.", 4)]

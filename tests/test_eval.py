@@ -51,6 +51,26 @@ def test_recall_at_k_by_hand():
   assert recall_at_k(hits, (1, 2, 3)) == {1: 25.0, 2: 50.0, 3: 75.0}
 
 
+def test_retrieval_hits_by_hand():
+  """Normalised whole words for text answers, patterns for regex answers (CuratedTREC); ids
+  not in the corpus are no hit."""
+  from realm_jax.eval.retrieval import retrieval_hits
+
+  class Blocks:  # two blocks with ids 10 and 20
+    texts = [("Eiffel Tower", "It was built in 1889."), ("Paris", "The capital of France.")]
+
+    def rows_of(self, ids):
+      return np.vectorize({10: 0, 20: 1}.get)(ids, -1)
+
+    def __getitem__(self, row):
+      return dict(zip(("title", "body"), self.texts[row]))
+
+  ids = np.array([[10, 20], [20, 10], [99, 20]])
+  hits = retrieval_hits(Blocks(), ids, [["the eiffel tower"], [r"18[89]\d"], ["France"]],
+                        ["text", "regex", "text"])
+  np.testing.assert_array_equal(hits, [[True, False], [False, True], [False, True]])
+
+
 def test_qa_jsonl_loader(tmp_path):
   p = tmp_path / "q.jsonl"
   p.write_text('{"question": "who?", "answer": ["me"]}\n{"question": "what", "answer": []}\n')

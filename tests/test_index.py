@@ -204,6 +204,9 @@ def test_scann_rejects_bad_dims_per_block_and_reorder_num_neighbors():
   for bad in (0, -3, 2.5, True):
     with pytest.raises(ValueError, match="reorder_num_neighbors"):
       DocIndex(emb, ids, "scann", reorder_num_neighbors=bad)
+    for name in ("num_leaves", "num_leaves_to_search", "training_sample_size"):
+      with pytest.raises(ValueError, match=f"{name}="):
+        DocIndex(emb, ids, "scann", **{name: bad})
 
 
 def test_scann_re_orders_more_candidates_for_more_exclusions(scann_case):
@@ -238,14 +241,14 @@ def test_bad_search_settings_and_float_exclusions_are_refused():
 
 
 def test_small_query_counts_share_a_few_compiled_shapes():
-  """1..20 queries run as 1, 2, 4, 8, 16 and 32 padded queries: six programs, not twenty."""
-  emb, ids, queries = untied_data(6, 50, q=20)
+  """1..40 queries run as 1, 2, 4, 8, 16, 32 and 64 padded queries: seven programs, not forty."""
+  emb, ids, queries = untied_data(6, 50, q=40)
   index = DocIndex(emb, ids)
-  for q in range(1, 21):
+  for q in range(1, 41):
     scores, found = index.search(queries[:q], 3)
     assert found.shape == (q, 3)
     np.testing.assert_array_equal(found, brute_force(queries[:q], emb, ids, 3)[1])
-  assert index._search_fn._cache_size() == 6
+  assert index._search_fn._cache_size() == 7
 
 
 def test_index_options_from_a_config():
@@ -263,6 +266,11 @@ def test_index_options_from_a_config():
   typo = ConfigDict(dict(searcher="scann", dtype="float32", scann=dict(dims_per_blok=4)))
   with pytest.raises(ValueError, match="dims_per_blok"):
     index_lib.index_options(typo)
+  negative = ConfigDict(dict(searcher="exact", dtype="float32", scann=dict(num_leaves=-5)))
+  with pytest.raises(ValueError, match=r"--config.index.scann.num_leaves=-5: give a whole number"):
+    index_lib.index_options(negative)
+  with pytest.raises(ValueError, match="--config.index.searcher='faiss'"):
+    index_lib.index_options(ConfigDict(dict(searcher="faiss", dtype="float32")))
 
 
 def test_scann_too_few_candidates_falls_back_to_exact():

@@ -16,7 +16,8 @@ def scann_settings() -> dict:
   """ScaNN's settings for searcher="scann"; 0 keeps DocIndex's default (see its docstring). On the
   10k x 384 MiniLM index, dims_per_block=8 with reorder_num_neighbors=200 was the fastest at
   recall@10 0.95 (benchmarks/README.md)."""
-  return dict(num_leaves=0, num_leaves_to_search=0, reorder_num_neighbors=0, dims_per_block=0)
+  return dict(num_leaves=0, num_leaves_to_search=0, reorder_num_neighbors=0, dims_per_block=0,
+              training_sample_size=0)
 
 
 def get_config(arg: str = "wiki_vital_minilm") -> ml_collections.ConfigDict:

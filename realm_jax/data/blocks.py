@@ -61,7 +61,9 @@ def cut_text(text: str, tokenizer: BertTokenizer, length: int) -> list[tuple[str
   """`text` cut into pieces of at most `length` word pieces: [(its substring of `text`, ids)].
 
   Each piece ends before a space if one is in reach, else before the start of a word (a word
-  piece that is not "##..."), else inside a word (only where one word alone is longer).
+  piece that is not "##..."), else inside a word (only where one word alone is longer); a cut
+  keeps at least half of `length`, so that a long run without spaces (Chinese, a URL) after a
+  short lead-in does not leave a block of a word or two.
   """
   ((ids, offsets),) = tokenizer.encode_batch_with_offsets([text])
   starts_word = ~tokenizer.continuation[np.asarray(ids, np.int64)]  # [n] bool
@@ -69,7 +71,7 @@ def cut_text(text: str, tokenizer: BertTokenizer, length: int) -> list[tuple[str
   while lo < len(ids):
     hi = min(lo + length, len(ids))
     if hi < len(ids):
-      ends = range(hi, lo, -1)
+      ends = range(hi, lo + max(1, length // 2) - 1, -1)
       hi = next((h for h in ends if starts_word[h] and offsets[h][0] > offsets[h - 1][1]),
                 next((h for h in ends if starts_word[h]), hi))
     pieces.append((text[offsets[lo][0]:offsets[hi - 1][1]], ids[lo:hi]))

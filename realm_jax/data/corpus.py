@@ -47,6 +47,14 @@ class CorpusConfig:
   max_docs: int | None = None
   tfds_name: str = "wikipedia/20230601.en"
 
+  @classmethod
+  def from_config(cls, corpus, vocab_file: str) -> "CorpusConfig":
+    """From a config's `corpus` section (source, paths, block_length, blocking, max_docs: 0 =
+    all, tfds_name) and the vocab of the model that embeds it."""
+    return cls(source=corpus.source, paths=tuple(corpus.paths), vocab_file=vocab_file,
+               block_length=corpus.block_length, blocking=corpus.blocking,
+               max_docs=corpus.max_docs or None, tfds_name=corpus.tfds_name)
+
   def __post_init__(self):
     if self.source not in SOURCES:
       raise ValueError(f"corpus source={self.source!r}: use one of {SOURCES}.")

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from realm_jax.eval.answers import has_answer, normalize_answer
+from realm_jax.data.qa_batches import answers_of
+from realm_jax.eval.answers import has_answer, normalize_answer, regex_match
 from realm_jax.text import batch_join
 
 
@@ -26,19 +27,28 @@ def embed_questions(tower, questions: Sequence[str], batch_size: int = 256) -> n
   return np.concatenate(out)
 
 
-def retrieval_hits(corpus, block_ids: np.ndarray, answers: Sequence[Sequence[str]]) -> np.ndarray:
-  """[Q, k] bool: whether retrieved block (q, j) contains an answer of question q."""
+def retrieval_hits(corpus, block_ids: np.ndarray, answers: Sequence[Sequence[str]],
+                   answer_types: Sequence[str] | None = None) -> np.ndarray:
+  """[Q, k] bool: whether retrieved block (q, j) contains an answer of question q (its title +
+  body; answers of type "regex" are patterns matched in the text, the others normalised words)."""
   rows = corpus.rows_of(block_ids)
+  text: dict[int, str] = {}
   norm: dict[int, str] = {}
   hits = np.zeros(block_ids.shape, bool)
   for q, row_list in enumerate(rows):
+    regex = answer_types is not None and answer_types[q] == "regex"
     for j, r in enumerate(row_list):
       if r < 0:
         continue
-      if r not in norm:
+      if r not in text:
         b = corpus[r]
-        norm[r] = normalize_answer(b["title"] + " " + b["body"])
-      hits[q, j] = has_answer("", answers[q], normalized_text=norm[r])
+        text[r] = b["title"] + " " + b["body"]
+      if regex:
+        hits[q, j] = regex_match(text[r], answers[q])
+      else:
+        if r not in norm:
+          norm[r] = normalize_answer(text[r])
+        hits[q, j] = has_answer("", answers[q], normalized_text=norm[r])
   return hits
 
 
@@ -49,14 +59,13 @@ def recall_at_k(hits: np.ndarray, ks: Sequence[int]) -> dict[int, float]:
 
 def evaluate_retrieval(tower, index, corpus, questions: Sequence[dict],
                        ks: Sequence[int] = (1, 5, 20)) -> dict:
-  """Recall@k of `index` (searched with `tower`'s query embeddings) on the questions."""
+  """Recall@k of `index` (searched with `tower`'s query embeddings) on the questions: dicts with
+  "question" and "answers" or "answer" (`data.qa_batches.answers_of`), optionally "answer_type"."""
   start = time.perf_counter()
   q_emb = embed_questions(tower, [q["question"] for q in questions])
   _, ids = index.search(q_emb, max(ks))
-  # {"answer": [...]} as NQ-Open files and load_qa_jsonl have it, or {"answers": [...]} as
-  # read_qa_file gives it.
-  hits = retrieval_hits(corpus, ids, [q["answers"] if "answers" in q else q["answer"]
-                                      for q in questions])
+  answers, kinds = zip(*(answers_of(q) for q in questions)) if questions else ((), ())
+  hits = retrieval_hits(corpus, ids, answers, kinds)
   recall = recall_at_k(hits, ks)
   logging.info("recall %s on %d questions in %.1f s", recall, len(questions),
                time.perf_counter() - start)

@@ -25,10 +25,8 @@ def towers_of(config):
 
 
 def open_corpus(config, workdir: str, vocab_file: str) -> Corpus:
-  c = config.corpus
-  return Corpus.build(os.path.join(workdir, "corpus"), CorpusConfig(
-      source=c.source, paths=tuple(c.paths), vocab_file=vocab_file, block_length=c.block_length,
-      blocking=c.blocking, max_docs=c.max_docs or None, tfds_name=c.tfds_name))
+  return Corpus.build(os.path.join(workdir, "corpus"),
+                      CorpusConfig.from_config(config.corpus, vocab_file))
 
 
 def build_index(config, workdir: str, towers=None):

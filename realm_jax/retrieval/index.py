@@ -179,6 +179,11 @@ class DocIndex:
     if searcher == "scann":
       _require_whole("dims_per_block", dims_per_block, 1, embeddings.shape[1],
                      " (dimensions per ScaNN code, up to the embedding dimension; 2 by default)")
+      tree = dict(num_leaves=num_leaves, num_leaves_to_search=num_leaves_to_search,
+                  training_sample_size=training_sample_size)
+      for name, value in tree.items():
+        if value is not None:
+          _require_whole(name, value, 1)
       _require_whole("reorder_num_neighbors", reorder_num_neighbors, 1, None,
                      " (ScaNN's best hashed candidates re-scored exactly; 100 by default, more for "
                      "recall)")
@@ -344,9 +349,11 @@ class DocIndex:
     if self.searcher == "scann":  # one call: ScaNN shares the queries out over the cores itself
       scores, rows = self._search_scann(queries, k, exclude_rows)
       return scores, self.block_ids[rows]
-    # Fewer queries than a batch are padded to a power of two: a few compiled shapes, not one
-    # for each query count.
-    batch = min(1 << (num_queries - 1).bit_length(), self.query_batch_size)
+    # Fewer queries than a batch are padded to a power of two up to 32, then to a multiple of 32:
+    # a few compiled shapes, not one for each query count, and at most 31 padded queries above 32.
+    bucket = (1 << (num_queries - 1).bit_length() if num_queries <= 32
+              else -(-num_queries // 32) * 32)
+    batch = min(bucket, self.query_batch_size)
     parts = []
     for lo in range(0, num_queries, batch):
       q, ex = queries[lo:lo + batch], exclude_rows[lo:lo + batch]
@@ -492,6 +499,8 @@ def index_options(index_config) -> dict:
   unknown = sorted(set(scann) - set(SCANN_SETTINGS))
   if unknown:
     raise ValueError(f"Unknown config.index.scann setting(s) {unknown}: use {SCANN_SETTINGS}.")
+  for key, value in scann.items():
+    _require_whole(f"--config.index.scann.{key}", value, 0, None, " (0: DocIndex's default)")
   if index_config.searcher == "scann":
     options.update({key: value for key, value in scann.items() if value})
   return options

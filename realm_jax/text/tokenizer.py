@@ -34,7 +34,8 @@ TRUNCATIONS = ("b", "longest", "none")
 def checkpoint_lowercase(vocab_file: str | os.PathLike) -> bool:
   """Whether the checkpoint of `vocab_file` lowercases its text: `do_lower_case` of the Hugging
   Face `tokenizer_config.json` beside it; True (uncased, as MiniLM and REALM) without that file or
-  that key."""
+  that key. Lowercasing also strips accents, as BERT's uncased tokenizer does; a `strip_accents`
+  key there is not read."""
   path = as_path(vocab_file).parent / TOKENIZER_CONFIG
   if not path.exists():
     return True

@@ -277,8 +277,9 @@ def jit_steps(model: RealmRetriever, mesh: Mesh, dropout: bool = True):
 
 def export_retriever(directory: str, model_config: RealmConfig, params, vocab_file: str) -> None:
   """Writes `directory` as a HF REALM scorer (config.json, model.safetensors with `embedder` and
-  `query_embedder`, vocab.txt and the tokenizer_config.json beside it, if any), atomically: readers see the old directory or the new one (on gs://,
-  a directory whose config.json exists: it is uploaded last)."""
+  `query_embedder`, vocab.txt and the tokenizer_config.json beside it, if any), atomically:
+  readers see the old directory or the new one (on gs://, a directory whose config.json exists:
+  it is uploaded last)."""
   params = jax.device_get(params)
 
   def write(tmp: str):
@@ -291,6 +292,9 @@ def export_retriever(directory: str, model_config: RealmConfig, params, vocab_fi
   if is_remote(directory):
     # The upload is skipped when config.json is unchanged, and it does not change with the weights.
     (as_path(directory) / "config.json").unlink(missing_ok=True)
+    # An upload leaves files the new export lacks: an old casing must not outlive its export.
+    if not (as_path(vocab_file).parent / TOKENIZER_CONFIG).exists():
+      (as_path(directory) / TOKENIZER_CONFIG).unlink(missing_ok=True)
   atomic_write_dir(directory, write, marker="config.json")
   logging.info("Exported the ICT retriever to %s", directory)
 

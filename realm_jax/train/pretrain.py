@@ -82,13 +82,23 @@ def open_data(config, workdir: str, vocab_file: str):
       "realm_jax:open_data", lambda: _open_data(config, workdir, vocab_file))
 
 
+def check_workdir_corpus(workdir: str, fingerprint: str) -> None:
+  """Refuses a work directory whose indexes were built from other blocks, before the corpus and
+  examples are built (hours at Wikipedia scale): its checkpoints and data are of those blocks."""
+  latest = latest_index_dir(os.path.join(workdir, "index"))
+  corpus = latest and read_manifest(latest)["corpus_fingerprint"]
+  if corpus and corpus != fingerprint:
+    raise ValueError(
+        f"{workdir} holds a run over other blocks (corpus {corpus}, now {fingerprint}: the "
+        "corpus files changed, or a newer realm_jax cuts blocks differently). Resume it with the "
+        "corpus and realm_jax it was made with, or start anew with another --workdir.")
+
+
 def _open_data(config, workdir: str, vocab_file: str):
   data_dir = config.data_dir or os.path.join(workdir, "data")
-  c = config.corpus
   tokenizer = BertTokenizer(vocab_file)
-  corpus = Corpus.build(os.path.join(data_dir, "corpus"), CorpusConfig(
-      source=c.source, paths=tuple(c.paths), vocab_file=vocab_file, block_length=c.block_length,
-      blocking=c.blocking, max_docs=c.max_docs or None, tfds_name=c.tfds_name))
+  corpus = Corpus.build(os.path.join(data_dir, "corpus"),
+                        CorpusConfig.from_config(config.corpus, vocab_file))
   settings = f"{config.query_length}-{config.max_masked}-{config.tagger}-{config.heldout_percent}"
   examples_dir = os.path.join(data_dir, f"examples-{corpus.fingerprint[:12]}-{settings}")
   build_examples(corpus, tokenizer, examples_dir, query_length=config.query_length,
@@ -158,6 +168,7 @@ class Trainer:
     as_path(workdir).mkdir(parents=True, exist_ok=True)
     check_workdir_config(config, workdir)
     self.models, self.model_config, vocab = build_models(config)
+    check_workdir_corpus(workdir, CorpusConfig.from_config(config.corpus, vocab).fingerprint)
     self.corpus, self.tokenizer, self.examples_dir = open_data(config, workdir, vocab)
     tok = self.tokenizer
     self.builder = CandidateBuilder(self.corpus, tok.cls_id, tok.sep_id, config.num_candidates,
@@ -242,13 +253,6 @@ class Trainer:
       path = os.path.join(self.index_root, os.path.basename(path.rstrip("/")))
     path = path if path and as_path(path).is_dir() else latest_index_dir(self.index_root)
     if path is not None and index_step(path) <= int(self.state.step):
-      corpus = read_manifest(path)["corpus_fingerprint"]
-      if corpus != self.corpus.fingerprint:  # the run's examples and checkpoints are of its blocks
-        raise ValueError(
-            f"{self.workdir} holds a run over other blocks (corpus {corpus}, now "
-            f"{self.corpus.fingerprint}: the corpus files changed, or a newer realm_jax cuts "
-            "blocks differently). Resume it with the corpus and realm_jax it was made with, or "
-            "start anew with another --workdir.")
       self._set_index(load_index(path, self.corpus, dim, self.index_options), path)
     else:
       self._set_index(*refresh(self.index_root, self.embedder, self.state.params["retriever"],
