@@ -65,6 +65,17 @@ def timed(search, queries, repeats):
   return best, found
 
 
+def positive_ints(parser, flag: str, value: str, example: str) -> list[int]:
+  """A comma-separated list of positive whole numbers, or a parser error naming --flag."""
+  try:
+    out = [int(x) for x in value.split(",")]
+    if min(out) >= 1:
+      return out
+  except ValueError:
+    pass
+  parser.error(f"--{flag}={value!r}: give positive whole numbers, e.g. {example}.")
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--n", type=int, default=1_000_000, help="index rows (without --embeddings)")
@@ -98,19 +109,8 @@ def main():
   except ValueError:
     p.error(f"--scann_trees={args.scann_trees!r}: give LEAVES:SEARCHED pairs with "
             "1 <= SEARCHED <= LEAVES, e.g. 100:10,100:30.")
-  try:
-    code_sizes = [int(x) for x in args.scann_dims_per_block.split(",")]
-    if not code_sizes or min(code_sizes) < 1:
-      raise ValueError
-  except ValueError:
-    p.error(f"--scann_dims_per_block={args.scann_dims_per_block!r}: give positive whole numbers, "
-            "e.g. 2,4.")
-  try:
-    depths = [int(x) for x in args.scann_reorder.split(",")]
-    if not depths or min(depths) < 1:
-      raise ValueError
-  except ValueError:
-    p.error(f"--scann_reorder={args.scann_reorder!r}: give positive whole numbers, e.g. 100,250.")
+  code_sizes = positive_ints(p, "scann_dims_per_block", args.scann_dims_per_block, "2,4")
+  depths = positive_ints(p, "scann_reorder", args.scann_reorder, "100,250")
 
   import jax
 

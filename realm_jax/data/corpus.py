@@ -196,10 +196,10 @@ class Corpus:
 
   def __getitem__(self, row: int) -> dict:
     """The block at `row`; negative rows count from the end, as in a list."""
-    n = len(self)
-    if not -n <= int(row) < n:  # IndexError ends `for block in corpus`
+    n, row = len(self), int(row)
+    if not -n <= row < n:  # IndexError ends `for block in corpus`
       raise IndexError(f"Row {row} is out of range: the corpus at {self.data_dir} has {n} blocks.")
-    ex = self._source[int(row) % n]
+    ex = self._source[row % n]
     return {**ex, "title": _text(ex["title"]), "body": _text(ex["body"])}
 
   def rows_of(self, block_ids) -> np.ndarray:

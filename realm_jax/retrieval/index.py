@@ -187,6 +187,7 @@ class DocIndex:
       _require_whole("reorder_num_neighbors", reorder_num_neighbors, 1, None,
                      " (ScaNN's best hashed candidates re-scored exactly; 100 by default, more for "
                      "recall)")
+    _require_whole("query_batch_size", query_batch_size, 1)
     if len(embeddings) == 0:
       raise ValueError("Cannot build an empty index: embeddings has no rows. Embed a corpus first.")
     if len(embeddings) >= 2**31:
@@ -212,7 +213,6 @@ class DocIndex:
     self._sorted_ids, self._sorted_rows = sorted_ids, order  # block id -> row, via searchsorted
     self.query_batch_size = query_batch_size
     self.manifest: dict | None = None  # set by `load`
-    _require_whole("query_batch_size", query_batch_size, 1)
     if searcher == "approx" and not 0 < recall_target <= 1:
       raise ValueError(f"recall_target={recall_target!r}: give a recall in (0, 1].")
     if searcher == "scann":
@@ -360,14 +360,11 @@ class DocIndex:
       if len(q) < batch:  # pad the last batch so that every call has the same shape (no recompile)
         q = np.concatenate([q, np.zeros((batch - len(q), self.dim), np.float32)])
         ex = np.concatenate([ex, np.full((batch - len(ex), ex.shape[1]), -1, np.int32)])
-      parts.append(self._search_device(q, k, ex))
+      parts.append(self._search_fn(self._emb, q, ex, k))
     # Device calls run asynchronously until their results are read here.
     scores = np.concatenate([np.asarray(s) for s, _ in parts])[:num_queries]
     rows = np.concatenate([np.asarray(r) for _, r in parts])[:num_queries]
     return scores, self.block_ids[rows]
-
-  def _search_device(self, queries, k, exclude_rows):
-    return self._search_fn(self._emb, queries, exclude_rows, k)
 
   def _search_scann(self, queries, k, exclude_rows):
     """ScaNN's exactly re-scored candidates; queries left with < k of them, and non-finite queries
@@ -420,8 +417,7 @@ class DocIndex:
     """
     from safetensors.numpy import save_file  # local: only saving and loading need it
 
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-      raise ValueError(f"step={step!r}: give the training step as a whole number >= 0.")
+    _require_whole("step", step, 0, None, " (the training step)")
     # A new id for each save, in the manifest and in the arrays' header: `load` can tell a
     # manifest from the arrays of another save of the same directory (a reader racing a writer),
     # and an upload to gs:// is never skipped as unchanged.

@@ -281,19 +281,20 @@ def export_retriever(directory: str, model_config: RealmConfig, params, vocab_fi
   readers see the old directory or the new one (on gs://, a directory whose config.json exists:
   it is uploaded last)."""
   params = jax.device_get(params)
+  casing = as_path(vocab_file).parent / TOKENIZER_CONFIG  # a cased checkpoint stays cased
+  has_casing = casing.exists()
 
   def write(tmp: str):
     save_hf_checkpoint(tmp, model_config, params, kind="retriever")
     as_path(vocab_file).copy(os.path.join(tmp, "vocab.txt"))
-    casing = as_path(vocab_file).parent / TOKENIZER_CONFIG  # a cased checkpoint stays cased
-    if casing.exists():
+    if has_casing:
       casing.copy(os.path.join(tmp, TOKENIZER_CONFIG))
 
   if is_remote(directory):
     # The upload is skipped when config.json is unchanged, and it does not change with the weights.
     (as_path(directory) / "config.json").unlink(missing_ok=True)
     # An upload leaves files the new export lacks: an old casing must not outlive its export.
-    if not (as_path(vocab_file).parent / TOKENIZER_CONFIG).exists():
+    if not has_casing:
       (as_path(directory) / TOKENIZER_CONFIG).unlink(missing_ok=True)
   atomic_write_dir(directory, write, marker="config.json")
   logging.info("Exported the ICT retriever to %s", directory)
