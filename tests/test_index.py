@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import Mesh
 
 from realm_jax.retrieval import index as index_lib
-from realm_jax.retrieval.index import (DocIndex, latest_index_dir, prune_indexes, publish_index,
-                                       read_manifest)
+from realm_jax.retrieval.index import (DocIndex, index_dirs, latest_index_dir, point_latest,
+                                       prune_indexes, publish_index, read_manifest)
 
 DIM = 16
 
@@ -378,14 +378,37 @@ def test_prune_keeps_the_newest_latest_and_protected_indexes(tmp_path):
   deleted = prune_indexes(tmp_path, 2, protect=[str(tmp_path / "index-00000100")])
   assert sorted(deleted) == [str(tmp_path / "index-00000000"), str(tmp_path / "index-00000200")]
   assert names() == ["index-00000100", "index-00000300", "index-00000400"]
-  # A run resumed from an older checkpoint republished an older step: LATEST names it, it stays.
+  # A run resumed from an older checkpoint republished an older step: LATEST names it, it stays,
+  # and the steps above it (left by the run before) are not among the newest kept.
   publish_index(tmp_path, index, 250, model_fingerprint="m", corpus_fingerprint="c")
   assert prune_indexes(tmp_path, 1, protect=["index-00000100"]) == [
-      str(tmp_path / "index-00000300")]
-  assert names() == ["index-00000100", "index-00000250", "index-00000400"]
+      str(tmp_path / "index-00000400"), str(tmp_path / "index-00000300")]
+  assert names() == ["index-00000100", "index-00000250"]
   assert latest_index_dir(tmp_path) == str(tmp_path / "index-00000250")
   with pytest.raises(ValueError, match="keep=-1"):
     prune_indexes(tmp_path, -1)
+
+
+def test_indexes_above_latest_go_first(tmp_path):
+  """A run that published steps 100-300 resumed from step 100 (LATEST points back at it): 200 and
+  300 are not among the newest it keeps; then it publishes 150 and goes on from there."""
+  emb, ids, _ = untied_data(9, 10, q=1)
+  index = DocIndex(emb, ids)
+  for step in (0, 100, 200, 300):
+    publish_index(tmp_path, index, step, model_fingerprint="m", corpus_fingerprint="c")
+  assert [name for _, name in index_dirs(tmp_path)] == [
+      "index-00000300", "index-00000200", "index-00000100", "index-00000000"]
+  point_latest(tmp_path, tmp_path / "index-00000100")
+  assert latest_index_dir(tmp_path) == str(tmp_path / "index-00000100")
+  assert prune_indexes(tmp_path, 2, protect=["index-00000300"]) == [
+      str(tmp_path / "index-00000200")]
+  publish_index(tmp_path, index, 150, model_fingerprint="m", corpus_fingerprint="c")
+  assert prune_indexes(tmp_path, 1) == [str(tmp_path / "index-00000300"),
+                                        str(tmp_path / "index-00000100"),
+                                        str(tmp_path / "index-00000000")]
+  assert [name for _, name in index_dirs(tmp_path)] == ["index-00000150"]
+  with pytest.raises(ValueError, match="LATEST.json is not an index-<step> directory"):
+    point_latest(tmp_path, tmp_path / "LATEST.json")
 
 
 def test_publish_and_latest(tmp_path):

@@ -176,6 +176,30 @@ def test_old_indexes_go_but_not_those_the_checkpoints_name(tmp_path, data_dir, u
   assert out.count("Deleted the index") == 2
 
 
+def test_resumed_from_an_older_checkpoint_the_later_indexes_are_not_used(tmp_path, data_dir,
+                                                                         uninterrupted):
+  """The run stopped after publishing index 3 but before a checkpoint past step 2: resumed from
+  step 2 it goes on with index 0 (the one that checkpoint names), points LATEST back at it, and
+  says so; it republishes step 3 as it gets there and ends with the uninterrupted parameters."""
+  import shutil
+  from realm_jax.retrieval.index import latest_index_dir
+  workdir = tmp_path / "w"
+  shutil.copytree(uninterrupted, workdir)
+  for step in (4, 6):
+    shutil.rmtree(workdir / "checkpoints" / str(step))
+  assert os.path.basename(latest_index_dir(workdir / "index")) == "index-00000003"
+  code, out = run(str(workdir), data_dir)
+  assert code == 0, out[-3000:]
+  assert re.search(r"Resumed at step 2 with the index index-00000000; index-00000003 in \S+ were "
+                   r"published after the checkpoint and are not used \(LATEST now names "
+                   r"index-00000000 again", out), out[-3000:]
+  assert "Index refreshed at step 3" in out
+  assert os.path.basename(latest_index_dir(workdir / "index")) == "index-00000003"
+  got, want = final_params(str(workdir), 6), final_params(uninterrupted, 6)
+  for (path, a), (_, b) in zip(got, want):
+    np.testing.assert_array_equal(a, b, err_msg=str(path))
+
+
 def test_finished_run_does_nothing_and_other_config_is_refused(data_dir, uninterrupted):
   code, out = run(uninterrupted, data_dir)
   assert code == 0 and "Nothing to do" in out

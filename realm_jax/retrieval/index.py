@@ -561,11 +561,19 @@ def publish_index(root: str | os.PathLike, index: DocIndex, step: int, *, model_
   see `DocIndex.save`.
   """
   path = index_path(root, step)
-  name = os.path.basename(path)
   index.save(path, step=step, model_fingerprint=model_fingerprint,
              corpus_fingerprint=corpus_fingerprint, embeddings=embeddings)
-  write_json(os.path.join(os.fspath(root), LATEST), {"directory": name, "step": int(step)})
+  point_latest(root, path)
   return path
+
+
+def point_latest(root: str | os.PathLike, path: str | os.PathLike) -> None:
+  """Makes `root/LATEST` name the index directory `path` (its name, in `root`), in one piece."""
+  name = os.path.basename(os.fspath(path).rstrip("/"))
+  match = _INDEX_DIR.fullmatch(name)
+  if match is None:
+    raise ValueError(f"{path} is not an index-<step> directory (of {root}).")
+  write_json(os.path.join(os.fspath(root), LATEST), {"directory": name, "step": int(match[1])})
 
 
 def latest_index_dir(root: str | os.PathLike) -> str | None:
@@ -593,33 +601,44 @@ def latest_index_dir(root: str | os.PathLike) -> str | None:
       return os.path.join(root, name)
   except (OSError, ValueError, KeyError, TypeError):
     pass
-  names = [p.name for p in as_path(root).iterdir() if _INDEX_DIR.fullmatch(p.name)]
-  for name in sorted(names, key=lambda d: int(_INDEX_DIR.fullmatch(d)[1]), reverse=True):
+  for _, name in index_dirs(root):
     if complete(name):
       return os.path.join(root, name)
   return None
+
+
+def index_dirs(root: str | os.PathLike) -> list[tuple[int, str]]:
+  """(step, name) of the `index-<step>` directories of `root`, complete or not, newest first."""
+  if not as_path(root).is_dir():
+    return []
+  found = ((_INDEX_DIR.fullmatch(p.name), p.name) for p in as_path(root).iterdir())
+  return sorted(((int(m[1]), name) for m, name in found if m), reverse=True)
 
 
 def prune_indexes(root: str | os.PathLike, keep: int, protect: Iterable[str] = ()) -> list[str]:
   """Deletes the `index-*` directories of `root` but the `keep` of the highest steps, the one
   LATEST names and those named in `protect` (names or paths); returns the deleted paths.
 
-  Each goes manifest first, so a reader never takes a half-deleted index for a complete one.
-  `keep` = 0 keeps everything (REALM refreshes its 13M-block index hundreds of times a run).
+  Indexes of steps above the one LATEST names were left by a run that then resumed from an older
+  checkpoint (LATEST moved back with it): they are not among the `keep` newest, and go unless
+  protected. Each goes manifest first, so a reader never takes a half-deleted index for a
+  complete one. `keep` = 0 keeps everything (REALM refreshes its 13M-block index hundreds of times
+  a run).
   """
   if keep < 0:
     raise ValueError(f"keep={keep}: the number of indexes to keep must be >= 0 (0: all).")
   root = os.fspath(root)
   if keep == 0 or not as_path(root).is_dir():
     return []
-  names = sorted((p.name for p in as_path(root).iterdir() if _INDEX_DIR.fullmatch(p.name)),
-                 key=lambda d: int(_INDEX_DIR.fullmatch(d)[1]), reverse=True)
-  spared = set(names[:keep]) | {os.path.basename(os.fspath(p).rstrip("/")) for p in protect}
+  found = index_dirs(root)
   latest = latest_index_dir(root)
+  limit = math.inf if latest is None else int(_INDEX_DIR.fullmatch(os.path.basename(latest))[1])
+  current = [name for step, name in found if step <= limit]  # newest first
+  spared = set(current[:keep]) | {os.path.basename(os.fspath(p).rstrip("/")) for p in protect}
   if latest is not None:
     spared.add(os.path.basename(latest))
   deleted = []
-  for name in names:
+  for _, name in found:
     if name not in spared:
       path = as_path(os.path.join(root, name))
       (path / MANIFEST).unlink(missing_ok=True)

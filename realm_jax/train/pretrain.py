@@ -38,7 +38,8 @@ from realm_jax.train.metrics_writer import MetricsWriter
 from realm_jax.train.realm_step import TrainState, eval_step, summarize, train_step
 from realm_jax.train.refresh import (REFRESH_MODES, AsyncIndexWatcher, DocumentEmbedder,
                                      index_step, load_index, refresh)
-from realm_jax.retrieval.index import index_options, latest_index_dir, read_manifest
+from realm_jax.retrieval.index import (index_dirs, index_options, latest_index_dir,
+                                      point_latest, read_manifest)
 
 # Settings that change the shapes of parameters, of the optimiser state (a separate retriever
 # rate adds a partition) or of the data: a workdir keeps its own.
@@ -254,12 +255,28 @@ class Trainer:
     path = path if path and as_path(path).is_dir() else latest_index_dir(self.index_root)
     if path is not None and index_step(path) <= int(self.state.step):
       self._set_index(load_index(path, self.corpus, dim, self.index_options), path)
+      self._go_on_from_index(path)
     else:
       self._set_index(*refresh(self.index_root, self.embedder, self.state.params["retriever"],
                                int(self.state.step), self.index_options, **self._pruning()))
     if self.config.index.refresh == "async":
       self.watcher = AsyncIndexWatcher(self.index_root, self.corpus, dim, self.index_options,
                                        self.index_path, agree=jax.process_count() > 1)
+
+  def _go_on_from_index(self, path: str) -> None:
+    """Points LATEST at `path` when the run resumed with an older index than LATEST names (it
+    stopped after publishing indexes that no checkpoint reached), so that neither the async
+    watcher nor the refresher takes one of those for newer; pruning removes them first."""
+    latest = latest_index_dir(self.index_root)
+    if jax.process_index() == 0 and latest is not None and index_step(latest) > index_step(path):
+      later = [name for step, name in index_dirs(self.index_root) if step > index_step(path)]
+      logging.warning(
+          "Resumed at step %d with the index %s; %s in %s were published after the checkpoint and "
+          "are not used (LATEST now names %s again; training republishes those steps as it gets "
+          "there).", int(self.state.step), os.path.basename(path), ", ".join(later),
+          self.index_root, os.path.basename(path))
+      point_latest(self.index_root, path)
+    distributed.sync("realm_jax:latest_index")
 
   def _pruning(self) -> dict:
     """Old indexes go (config.index.keep), but never the one in use or one a checkpoint names."""
