@@ -1,5 +1,7 @@
 """WordPiece tokenisation against HF's BertTokenizerFast, and REALM's input layouts by hand."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -89,6 +91,30 @@ def test_casing_follows_the_checkpoints_tokenizer_config(tmp_path):
   (cased / "tokenizer_config.json").write_text('{"do_lower_case": "no"}')
   with pytest.raises(ValueError, match=r"cased/tokenizer_config.json: do_lower_case='no' must be"):
     BertTokenizer(cased / "vocab.txt")
+
+
+def test_strip_accents_follows_the_checkpoint_as_in_hugging_face(tmp_path):
+  """`strip_accents` of tokenizer_config.json, against transformers' BertTokenizer given the same
+  settings: null follows lowercasing; false keeps accents of lowercased text; true strips them of
+  cased text."""
+  transformers = pytest.importorskip("transformers")
+  words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "paris", "Paris", "cafe", "café", "Cafe",
+           "Café", "é", "e", "##e", "##é", "."]
+  (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n", encoding="utf-8")
+  text = "Paris Café. Éte PARIS café"
+  for lower, strip in [(True, None), (True, False), (False, None), (False, True), (True, True)]:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"do_lower_case": lower, "strip_accents": strip}))
+    hf = transformers.BertTokenizer(str(tmp_path / "vocab.txt"), do_lower_case=lower,
+                                    strip_accents=strip)
+    ours = BertTokenizer(tmp_path / "vocab.txt")
+    assert ours.encode(text) == hf.encode(text, add_special_tokens=False), (lower, strip)
+    assert ours.strip_accents is (lower if strip is None else strip)
+  assert BertTokenizer(tmp_path / "vocab.txt", lowercase=True).strip_accents  # as BERT uncased
+  (tmp_path / "tokenizer_config.json").write_text('{"strip_accents": "yes"}')
+  with pytest.raises(ValueError, match=r"tokenizer_config.json: strip_accents='yes' must be true, "
+                                       "false or null"):
+    BertTokenizer(tmp_path / "vocab.txt")
 
 
 def test_lone_surrogate_is_a_clear_error(vocab_file):

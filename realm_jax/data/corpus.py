@@ -29,7 +29,7 @@ import tensorflow_datasets.core  # noqa: F401  (tfds.core is not imported by the
 from realm_jax import io_utils
 from realm_jax.data.blocks import BLOCKING_VERSION, BLOCKINGS, MIN_BODY_PIECES, pack_blocks
 from realm_jax.data.sources import SOURCES, documents, jsonl_files
-from realm_jax.text import BertTokenizer, batch_join, checkpoint_lowercase
+from realm_jax.text import BertTokenizer, batch_join, checkpoint_normalization
 
 BLOCK_IDS = "block_ids.safetensors"
 # Written by TFDS once a build is complete: the last file uploaded, and the first one looked for.
@@ -81,8 +81,11 @@ class CorpusConfig:
     h.update(repr((BLOCKING_VERSION, self.source, self.block_length, self.blocking, self.max_docs,
                    self.tfds_name)).encode())
     h.update(io_utils.as_path(self.vocab_file).read_bytes())
-    if not checkpoint_lowercase(self.vocab_file):  # only then: uncased corpora keep their names
+    lowercase, strip_accents = checkpoint_normalization(self.vocab_file)
+    if not lowercase:  # only then: uncased corpora keep their names
       h.update(b"cased")
+    if strip_accents is not None and strip_accents != lowercase:  # (only when set otherwise)
+      h.update(f"strip_accents={strip_accents}".encode())
     if self.source == "jsonl":  # the files' names, sizes and times: a changed file is a new corpus
       for p in jsonl_files(self.paths):
         if io_utils.is_remote(p):

@@ -1,5 +1,7 @@
 """Text processing: BERT WordPiece tokenisation and REALM's input layouts."""
 
-from realm_jax.text.tokenizer import BertTokenizer, batch_join, checkpoint_lowercase, join_bert
+from realm_jax.text.tokenizer import (BertTokenizer, batch_join, checkpoint_lowercase,
+                                      checkpoint_normalization, join_bert)
 
-__all__ = ["BertTokenizer", "batch_join", "checkpoint_lowercase", "join_bert"]
+__all__ = ["BertTokenizer", "batch_join", "checkpoint_lowercase", "checkpoint_normalization",
+           "join_bert"]

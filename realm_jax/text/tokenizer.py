@@ -31,33 +31,43 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 TRUNCATIONS = ("b", "longest", "none")
 
 
-def checkpoint_lowercase(vocab_file: str | os.PathLike) -> bool:
-  """Whether the checkpoint of `vocab_file` lowercases its text: `do_lower_case` of the Hugging
-  Face `tokenizer_config.json` beside it; True (uncased, as MiniLM and REALM) without that file or
-  that key. Lowercasing also strips accents, as BERT's uncased tokenizer does; a `strip_accents`
-  key there is not read."""
+def checkpoint_normalization(vocab_file: str | os.PathLike) -> tuple[bool, bool | None]:
+  """(do_lower_case, strip_accents) of the Hugging Face `tokenizer_config.json` beside
+  `vocab_file`: lowercase by default (uncased, as MiniLM and REALM, also without that file);
+  strip_accents None (the default) follows lowercasing, as in BERT's tokenizer."""
   path = as_path(vocab_file).parent / TOKENIZER_CONFIG
   if not path.exists():
-    return True
+    return True, None
   try:
-    value = json.loads(path.read_bytes().decode("utf-8")).get("do_lower_case", True)
+    config = json.loads(path.read_bytes().decode("utf-8"))
+    lowercase, strip_accents = config.get("do_lower_case", True), config.get("strip_accents")
   except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
     raise ValueError(f"{path} is not a JSON object ({e}): fix or delete it (without it the "
                      "checkpoint is taken for uncased).") from None
-  if not isinstance(value, bool):
-    raise ValueError(f"{path}: do_lower_case={value!r} must be true or false.")
-  return value
+  if not isinstance(lowercase, bool):
+    raise ValueError(f"{path}: do_lower_case={lowercase!r} must be true or false.")
+  if strip_accents is not None and not isinstance(strip_accents, bool):
+    raise ValueError(f"{path}: strip_accents={strip_accents!r} must be true, false or null "
+                     "(null: strip accents when lowercasing).")
+  return lowercase, strip_accents
+
+
+def checkpoint_lowercase(vocab_file: str | os.PathLike) -> bool:
+  """Whether the checkpoint of `vocab_file` lowercases its text (`checkpoint_normalization`)."""
+  return checkpoint_normalization(vocab_file)[0]
 
 
 class BertTokenizer:
   """WordPiece tokenizer of an uncased or cased BERT vocab file (local or gs://).
 
-  Attributes: `vocab_file`, `lowercase`, `vocab_size`, `continuation` ([vocab_size] bool: a "##"
-  piece), and the ids `pad_id`, `unk_id`, `cls_id`, `sep_id`, `mask_id`.
+  Attributes: `vocab_file`, `lowercase`, `strip_accents`, `vocab_size`, `continuation`
+  ([vocab_size] bool: a "##" piece), and the ids `pad_id`, `unk_id`, `cls_id`, `sep_id`, `mask_id`.
   """
 
-  def __init__(self, vocab_file: str | os.PathLike, lowercase: bool | None = None):
-    """`lowercase` (and, as in BERT, strip accents): default `checkpoint_lowercase(vocab_file)`."""
+  def __init__(self, vocab_file: str | os.PathLike, lowercase: bool | None = None,
+               strip_accents: bool | None = None):
+    """`lowercase` and `strip_accents` default to the checkpoint's (`checkpoint_normalization`);
+    `strip_accents` None strips accents when lowercasing, as BERT's tokenizer does."""
     vocab_file = os.fspath(vocab_file)
     if not as_path(vocab_file).is_file():  # local or gs://
       raise FileNotFoundError(
@@ -77,15 +87,18 @@ class BertTokenizer:
           f"Vocab file {vocab_file} lacks the BERT special tokens {missing}; it is not a BERT "
           "WordPiece vocab (one token per line, with [PAD] [UNK] [CLS] [SEP] [MASK]).")
     if lowercase is None:
-      lowercase = checkpoint_lowercase(vocab_file)
+      lowercase, configured = checkpoint_normalization(vocab_file)
+      strip_accents = configured if strip_accents is None else strip_accents
     self.vocab_file, self.lowercase = vocab_file, lowercase
+    self.strip_accents = lowercase if strip_accents is None else strip_accents
     self.vocab_size = max(vocab.values()) + 1
     # Which ids continue a word ("##ing"): answer spans must not start or end inside a word.
     self.continuation = np.zeros(self.vocab_size, bool)
     self.continuation[[i for t, i in vocab.items() if t.startswith("##")]] = True
     tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
     tok.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase)
+        clean_text=True, handle_chinese_chars=True, strip_accents=self.strip_accents,
+        lowercase=lowercase)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##")
     tok.add_special_tokens(list(SPECIAL_TOKENS))
