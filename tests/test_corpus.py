@@ -169,6 +169,75 @@ def test_corpus_builds_and_gives_random_access(tmp_path, vocab_file, caplog):
   assert len(changed) == 2 and changed.data_dir != corpus.data_dir
 
 
+KILLED_BUILD = """
+import os, signal, sys
+from realm_jax.data import corpus as c
+generate = c.RealmBlocks._generate_examples
+def killed_midway(self):
+  for i, example in enumerate(generate(self)):
+    if i == 1:
+      os.kill(os.getpid(), signal.SIGKILL)
+    yield example
+c.RealmBlocks._generate_examples = killed_midway
+config = c.CorpusConfig(source="jsonl", paths=(sys.argv[1],), vocab_file=sys.argv[2])
+c.Corpus.build(sys.argv[3], config)
+"""
+
+
+def test_a_killed_build_leaves_nothing_behind_the_next_one(tmp_path, vocab_file, caplog):
+  """SIGKILLed mid-build, TFDS leaves its incomplete.* folder; the next build deletes it, saying
+  so, and builds the whole corpus."""
+  import subprocess
+  import sys
+  from realm_jax.data.corpus import RealmBlocks
+  docs = [{"title": "Paris", "text": "Paris is the capital of France."},
+          {"title": "Berlin", "text": "Berlin is the capital of Germany."},
+          {"title": "Lyon", "text": "Lyon is the second city of France."}]
+  path = write_jsonl(tmp_path / "docs.jsonl", docs)
+  data = tmp_path / "data"
+  proc = subprocess.run([sys.executable, "-c", KILLED_BUILD, path, vocab_file, str(data)],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == -9, proc.stderr[-3000:]
+  config = CorpusConfig(source="jsonl", paths=(path,), vocab_file=vocab_file)
+  config_dir = os.path.dirname(RealmBlocks(corpus_config=config, data_dir=str(data)).data_dir)
+  left = [name for name in os.listdir(config_dir) if name.startswith("incomplete.")]
+  assert len(left) == 1, os.listdir(config_dir)
+  with caplog.at_level("WARNING"):
+    corpus = Corpus.build(str(data), config)
+  assert f"Deleting {os.path.join(config_dir, left[0])}, left by a build of the jsonl corpus" in (
+      caplog.text)
+  assert [corpus[i]["title"] for i in range(len(corpus))] == ["Paris", "Berlin", "Lyon"]
+  assert not [name for name in os.listdir(config_dir) if name.startswith("incomplete.")]
+
+
+def test_a_second_build_of_the_same_corpus_waits_for_the_first(tmp_path, vocab_file, caplog):
+  """While another process holds the build lock (here: this test), a build waits, then finds the
+  corpus that process built instead of building it again."""
+  import threading
+  import time
+  from realm_jax.data.corpus import RealmBlocks
+  from realm_jax.data.prepare import LOCK, exclusive_lock
+  path = write_jsonl(tmp_path / "docs.jsonl", [{"title": "Paris", "text": "Paris is a city."}])
+  config = CorpusConfig(source="jsonl", paths=(path,), vocab_file=vocab_file)
+  data = str(tmp_path / "data")
+  builder = RealmBlocks(corpus_config=config, data_dir=data)
+  got = {}
+  with caplog.at_level("INFO"):
+    with exclusive_lock(os.path.join(os.path.dirname(builder.data_dir), LOCK), "a test"):
+      waiting = threading.Thread(target=lambda: got.update(corpus=Corpus.build(data, config)))
+      waiting.start()
+      time.sleep(2)
+      assert waiting.is_alive() and "Waiting for another process building the jsonl corpus" in (
+          caplog.text)
+      builder.download_and_prepare()  # the other process's build
+      built = {f: os.stat(os.path.join(builder.data_dir, f)).st_mtime_ns
+               for f in os.listdir(builder.data_dir)}
+    waiting.join(timeout=120)
+  assert not waiting.is_alive() and len(got["corpus"]) == 1
+  assert all(os.stat(os.path.join(builder.data_dir, f)).st_mtime_ns == t
+             for f, t in built.items())  # found, not built again
+
+
 def test_folder_of_jsonl_files_is_read_in_sorted_order(tmp_path):
   os.makedirs(tmp_path / "docs" / "sub")
   write_jsonl(tmp_path / "docs" / "b.jsonl", [{"title": "B", "text": "b"}])

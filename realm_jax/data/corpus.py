@@ -28,6 +28,7 @@ import tensorflow_datasets.core  # noqa: F401  (tfds.core is not imported by the
 
 from realm_jax import io_utils
 from realm_jax.data.blocks import BLOCKING_VERSION, BLOCKINGS, MIN_BODY_PIECES, pack_blocks
+from realm_jax.data.prepare import prepare
 from realm_jax.data.sources import SOURCES, documents, jsonl_files
 from realm_jax.text import BertTokenizer, batch_join, checkpoint_normalization
 
@@ -173,8 +174,8 @@ class Corpus:
       remote = os.path.join(data_dir, os.path.relpath(built, local))
       io_utils.download_dir(remote, built, marker=_MARKER)
     # Made after the download: a builder reads the dataset info that is there when it is made.
-    builder = RealmBlocks(corpus_config=config, data_dir=local)
-    builder.download_and_prepare()
+    builder = prepare(lambda: RealmBlocks(corpus_config=config, data_dir=local),
+                      f"the {config.source} corpus")
     source = builder.as_data_source(split="train")
     path = os.path.join(builder.data_dir, BLOCK_IDS)
     from safetensors.numpy import load_file, save_file

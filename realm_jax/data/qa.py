@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 import tensorflow_datasets as tfds
 import tensorflow_datasets.core  # noqa: F401  (tfds.core is not imported by the package itself)
 
+from realm_jax.data.prepare import prepare
 from realm_jax.eval.answers import normalize_answer
 from realm_jax.io_utils import iter_jsonl
 
@@ -306,8 +307,7 @@ def load_questions(name: str, split: str, *, local_dir: str | None = None,
     path, qa_file = found[split]
     rows = read_qa_file(path, qa_file, builder_cls.ANSWER_TYPE)
   else:
-    builder = builder_cls(data_dir=data_dir)
-    builder.download_and_prepare()
+    builder = prepare(lambda: builder_cls(data_dir=data_dir), name)
     rows = [{"question": _text(ex["question"]), "answers": [_text(a) for a in ex["answers"]]}
             for ex in builder.as_data_source(split=split)]
   return [{**row, "answer_type": builder_cls.ANSWER_TYPE} for row in rows]
