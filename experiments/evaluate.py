@@ -40,6 +40,8 @@ def main(argv):
   quiet_library_logs()
   workdir = _WORKDIR.value
   try:
+    if _LIMIT.value < 0:  # a negative slice would silently drop the last questions
+      raise ValueError(f"--limit={_LIMIT.value}: pass a number of questions >= 1, or 0 for all.")
     config = _CONFIG.value or finetune.load_workdir_config(workdir)
     setup = finetune.QaSetup(config, workdir, build_missing=False)
     if _DATASET.value:

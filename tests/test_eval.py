@@ -45,6 +45,14 @@ def test_exact_match_and_regex_match():
     regex_match("x", ["(unclosed"])
 
 
+def test_exact_match_of_answers_that_normalise_to_nothing_is_the_official_one():
+  """As in the official ORQA / NQ-Open evaluation (normalised strings compared): gold answers that
+  normalisation erases ("A+", "---") equal predictions it erases too ("the", "(")."""
+  for prediction, answers in (("", ["A+", "AB+"]), ("the", ["---"]), ("(", [")"])):
+    assert exact_match(prediction, answers), (prediction, answers)
+  assert exact_match("a+", ["A+"]) and not exact_match("B", ["A+"])
+
+
 def test_recall_at_k_by_hand():
   hits = np.array([[False, True, False], [False, False, False], [True, False, True],
                    [False, False, True]])
@@ -89,3 +97,17 @@ def test_shared_nq_open_dev_loads():
     pytest.skip("../shared/data/nq_open is not here")
   qs = load_qa_jsonl(path)
   assert len(qs) == 3610 and qs[0]["answer"] == ["14 December 1972 UTC", "December 1972"]
+
+
+def test_evaluate_refuses_a_negative_limit(tmp_path):
+  """experiments/evaluate.py --limit=-1 evaluated all questions but the last (a Python slice)
+  and reported that as the split: refused, in one error line, before anything is loaded."""
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  got = subprocess.run([sys.executable, os.path.join(root, "experiments", "evaluate.py"),
+                        f"--workdir={tmp_path}", "--limit=-1"], cwd=root, capture_output=True,
+                       text=True, timeout=120)
+  assert got.returncode == 2 and got.stdout == ""
+  assert got.stderr.strip() == "error: --limit=-1: pass a number of questions >= 1, or 0 for all."

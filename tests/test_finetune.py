@@ -109,6 +109,50 @@ def test_workdir_with_other_data_is_refused(run):
     finetune.QaTrainer(other, workdir)
 
 
+def test_recall_k_beyond_the_corpus_is_refused_before_training(run, tmp_path):
+  """config.ks asking for more blocks than the corpus has (40 here) is refused when the run
+  starts, naming config.ks (it was an index error at the first dev evaluation, after training
+  steps), and by evaluate_open_qa itself."""
+  import shutil
+
+  from realm_jax.eval.open_qa import evaluate_open_qa
+  workdir, setup = run
+  where = str(tmp_path / "ks")
+  shutil.copytree(workdir, where, ignore=shutil.ignore_patterns("checkpoints", "best"))
+  with pytest.raises(ValueError, match=r"config.ks=\(1, 5, 41\): recall@k needs 1 <= k <= 40"):
+    finetune.QaTrainer(tiny_config(ks=(1, 5, 41)), where)
+  assert not os.path.exists(os.path.join(where, "checkpoints"))
+  system = setup.system(setup.init_params)
+  questions = finetune.split_questions(setup.config)["dev"][:2]
+  for ks in ((1, 41), (0, 5)):
+    with pytest.raises(ValueError, match=r"config.ks=.*recall@k needs 1 <= k <= 40"):
+      evaluate_open_qa(system, questions, ks=ks, read=False)
+  got = evaluate_open_qa(system, questions, ks=(1, 40), read=False)
+  # k = the whole corpus: a question counts when any block holds an answer.
+  want = 100.0 * np.mean([setup.batcher.any_answer_in(q, range(40)) for q in questions])
+  assert got["recall"][40] == pytest.approx(want)
+
+
+@pytest.mark.parametrize("key,value,error", [
+    ("checkpoint_every", 0, r"config.checkpoint_every=0: must be at least 1"),
+    ("log_every", 0, r"config.log_every=0: must be at least 1"),
+    ("reader_blocks", 0, r"config.reader_blocks=0: must be at least 1"),
+    ("eval_limit", -8, r"config.eval_limit=-8: must be at least 0 \(0 = every dev question\)"),
+    ("data.limit", -1, r"config.data.limit=-1: must be at least 0 \(0 = every question\)"),
+])
+def test_bad_counts_are_refused_before_anything_runs(tmp_path, key, value, error):
+  """A zero period was a ZeroDivisionError after the first training step; a negative limit
+  silently left out the last questions (a Python slice). Refused before the index is built."""
+  c = tiny_config()
+  if key == "data.limit":
+    c.data.limit = value
+  else:
+    c[key] = value
+  with pytest.raises(ValueError, match=error):
+    finetune.QaTrainer(c, str(tmp_path / "w"))
+  assert not os.path.exists(tmp_path / "w")
+
+
 def test_reader_waits_for_the_retriever_steps():
   """qa_optimizer: during the retriever-only steps the reader does not move at all (lr 0, no
   decay); then it does. The question tower moves from the first step."""

@@ -23,12 +23,12 @@ BLOCKS = [
 class FakeCorpus:
   """Blocks by row, tokenised with the real vocabulary (the fields a built corpus has)."""
 
-  def __init__(self, tok):
+  def __init__(self, tok, blocks=BLOCKS):
     self.rows = []
-    for title, body in BLOCKS:
+    for title, body in blocks:
       self.rows.append({"title": title, "body": body, "title_token_ids": tok.encode(title) if title
                         else [], "token_ids": tok.encode(body)})
-    self.block_ids = np.arange(100, 100 + len(BLOCKS), dtype=np.int64)
+    self.block_ids = np.arange(100, 100 + len(blocks), dtype=np.int64)
 
   def __len__(self):
     return len(self.rows)
@@ -38,7 +38,7 @@ class FakeCorpus:
 
   def rows_of(self, ids):
     ids = np.asarray(ids)
-    return np.where((ids >= 100) & (ids < 100 + len(BLOCKS)), ids - 100, -1)
+    return np.where((ids >= 100) & (ids < 100 + len(self.rows)), ids - 100, -1)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,34 @@ def test_reader_layout_and_block_mask(batcher, tok):
   # A block without a title: [CLS] q [SEP] body [SEP]
   one, lay = batcher.reader_row(q, 2, 64)
   assert lay.n_title == 0 and lay.body_start == len(q) + 2
+
+
+def test_a_long_title_is_cut_to_fit_the_reader_input(tok):
+  """A title longer than the reader input is cut to fit (it was written past the input's end: a
+  crash), leaving no body; a title that fits is kept whole, as before."""
+  title = "The Very Long Title Of A Block " * 8
+  body = "Charles Darwin wrote On the Origin of Species in 1859."
+  long = QaBatcher(FakeCorpus(tok, [(title, body), ("Darwin", body)]), tok, question_length=16,
+                   reader_length=48, max_span_width=6, length_multiple=16)
+  q = long.question_ids("who wrote on the origin of species")
+  assert len(tok.encode(title)) > 48
+  inputs, lays = long.reader_inputs([q, q], np.array([[0], [1]]))
+  lay, ids = lays[0][0], inputs["input_ids"][0, 0]
+  assert ids.shape == (48,) and inputs["attention_mask"][0, 0].sum() == 48
+  # [CLS] q [SEP] title [SEP] [SEP]
+  assert lay.n_title == 48 - (1 + len(q) + 1) - 2 and lay.n_body == 0
+  assert list(ids) == [tok.cls_id, *q, tok.sep_id, *tok.encode(title)[:lay.n_title], tok.sep_id,
+                       tok.sep_id]
+  assert inputs["block_mask"][0, 0].sum() == lay.n_title
+  spans = long.gold_spans(0, lay, ["Very Long Title"], "text")
+  assert spans and all(lay.title_start <= s and e < lay.title_start + lay.n_title
+                       for s, e in spans)
+  assert long.gold_spans(0, lay, ["Charles Darwin"], "text") == []  # the body is not read
+  # The short title beside it: whole, and the whole body.
+  lay, ids = lays[1][0], inputs["input_ids"][1, 0]
+  assert lay.n_title == 1 and lay.n_body == len(tok.encode(body))
+  spans = long.gold_spans(1, lay, ["Charles Darwin"], "text")
+  assert [tok.decode(ids[s:e + 1]) for s, e in spans] == ["charles darwin"]
 
 
 def test_reader_without_titles_reads_and_searches_the_body_only(batcher, tok):

@@ -143,6 +143,10 @@ def test_missing_folder_file_and_unknown_names(tmp_path):
       r"https://raw\.githubusercontent\.com/google-research-datasets/natural-questions/master/"
       r"nq_open/NQ-open\.train\.jsonl")):
     load_questions("nq_open", "train", local_dir=str(tmp_path))
+  # The file itself instead of its folder: said so, not "folder ... does not exist".
+  with pytest.raises(FileNotFoundError, match=r"nq_open: local_dir .*NQ-open\.dev\.jsonl is a "
+                                              r"file: pass the folder that holds it"):
+    load_questions("nq_open", "dev", local_dir=str(tmp_path / "NQ-open.dev.jsonl"))
   with pytest.raises(ValueError, match=r"Unknown QA dataset 'squad'.*'nq_open'"):
     load_questions("squad", "dev", local_dir=str(tmp_path))
   with pytest.raises(ValueError, match=r"web_questions has no split 'dev'.*'train', 'test'"):
@@ -153,6 +157,14 @@ def test_missing_folder_file_and_unknown_names(tmp_path):
     ("nq_open", "dev", "NQ-open.dev.jsonl",
      '{"question": "q", "answer": ["a"]}\n\n{"question": "q2", "answer": []}\n',
      r"NQ-open\.dev\.jsonl:3: expected \{\"question\": str, \"answer\""),
+    ("nq_open", "dev", "NQ-open.dev.jsonl", '{"question": "q", "answer": ["a"]}\n'
+     '{"question": "q2", "answer": ["", " "]}\n',  # no answer to find or compare
+     r"NQ-open\.dev\.jsonl:2: expected \{\"question\": str, \"answer\".*at least one answer"),
+    ("curated_trec", "test", "CuratedTrec-test.txt",  # would match every text and prediction
+     '{"question": "Who?", "answer": ["Paris", ""]}\n',
+     r"CuratedTrec-test\.txt:1: answer pattern '' is empty"),
+    ("curated_trec", "test", "curated-test.tsv", "1\tfactoid\tWho?\t \n",
+     r"curated-test\.tsv:1: answer pattern ' ' is empty"),
     ("nq_open", "dev", "NQ-open.dev.jsonl", '{"question": "q", "answer": ["a"]}\n{"question": \n',
      r"NQ-open\.dev\.jsonl:2: not valid JSON"),
     ("nq_open", "dev", "NQ-open.dev.jsonl", '{"question": " ", "answer": ["a"]}\n',

@@ -67,11 +67,13 @@ def _read_nq_jsonl(path: str) -> Iterator[tuple[str, str, list[str]]]:
   """NQ-Open / DrQA format: one `{"question": str, "answer": [str, ...]}` per line."""
   for lineno, ex in iter_jsonl(path, "question file"):
     ok = (isinstance(ex, dict) and isinstance(ex.get("question"), str)
-          and isinstance(ex.get("answer"), list) and len(ex["answer"]) > 0
-          and all(isinstance(a, (str, int, float)) for a in ex["answer"]))
+          and isinstance(ex.get("answer"), list)
+          and all(isinstance(a, (str, int, float)) for a in ex["answer"])
+          and any(str(a).strip() for a in ex["answer"]))
     if not ok:
       raise ValueError(f'{path}:{lineno}: expected {{"question": str, "answer": [str, ...]}} '
-                       "(NQ-Open format, at least one answer); fix or remove this line.")
+                       "(NQ-Open format, at least one answer that is not blank); fix or remove "
+                       "this line.")
     yield f"{path}:{lineno}", ex["question"], [str(a) for a in ex["answer"]]
 
 
@@ -141,6 +143,9 @@ def read_qa_file(path: str, qa_file: QaFile, answer_type: str) -> list[dict]:
       raise ValueError(f"{where}: the question is empty; fix or remove it.")
     if answer_type == "regex":
       for pattern in answers:
+        if not pattern.strip():
+          raise ValueError(f"{where}: answer pattern {pattern!r} is empty: it would match every "
+                           "text and every prediction; fix or remove it.")
         try:
           re.compile(pattern)
         except re.error as e:
@@ -250,6 +255,10 @@ def _file_in(path: str, name: str) -> str:
 def _local_files(builder: type[_QaBuilder], local_dir: str) -> dict[str, tuple[str, QaFile]]:
   """{split: (path, QaFile)} for the splits whose file is in `local_dir` (the first accepted name
   that is there); an error if the folder is missing or holds none of them."""
+  if os.path.isfile(local_dir):
+    raise FileNotFoundError(
+        f"{builder.name}: local_dir {local_dir} is a file: pass the folder that holds it (its "
+        f"name must be one of {_expected(builder)}).")
   if not os.path.isdir(local_dir):
     raise FileNotFoundError(
         f"{builder.name}: folder {local_dir} does not exist. Put the dataset's files there "

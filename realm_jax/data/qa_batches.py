@@ -8,7 +8,7 @@ or `[CLS] question [SEP] body [SEP]` for a block without a title, and for every 
 then neither read nor searched for answers). `block_mask` is 1 on the title and body word pieces
 only, so every span the reader scores lies inside the title or inside the body (the reader
 refuses a span over the hole at the [SEP] between them). The body is cut to fit `reader_length`;
-the question to `question_length`.
+the question to `question_length`; a title longer than the input is cut too (no body is read).
 
 Gold spans: every occurrence in the title or the (cut) body of an answer's word pieces: of the
 answer as written and of its normalised form (articles and punctuation dropped), as ORQA matched
@@ -191,11 +191,13 @@ class QaBatcher:
   # ----------------------------------------------------------------------- reader inputs
   def layout(self, q_ids: Sequence[int], row: int) -> ReaderLayout:
     b = self.block(row)
-    title = b["title_ids"] if self.reader_title else []
+    n_title = len(b["title_ids"]) if self.reader_title else 0
     title_start = len(q_ids) + 2
-    body_start = title_start + len(title) + (1 if title else 0)
+    # A title too long for the input is cut to leave room for its [SEP] and the last one.
+    n_title = max(0, min(n_title, self.reader_length - title_start - 2))
+    body_start = title_start + n_title + (1 if n_title else 0)
     n_body = max(0, min(len(b["body_ids"]), self.reader_length - body_start - 1))
-    return ReaderLayout(title_start, len(title), body_start, n_body)
+    return ReaderLayout(title_start, n_title, body_start, n_body)
 
   def reader_row(self, q_ids: Sequence[int], row: int, length: int) -> tuple[dict, ReaderLayout]:
     """One reader input of `length` pieces: input_ids, attention_mask, token_type_ids, block_mask."""
@@ -203,7 +205,7 @@ class QaBatcher:
     tok = self.tokenizer
     ids = [tok.cls_id, *q_ids, tok.sep_id]
     if lay.n_title:
-      ids += [*b["title_ids"], tok.sep_id]
+      ids += [*b["title_ids"][:lay.n_title], tok.sep_id]
     ids += [*b["body_ids"][:lay.n_body], tok.sep_id]
     n = len(ids)
     out = {k: np.zeros(length, np.int32) for k in ("input_ids", "attention_mask",

@@ -48,6 +48,10 @@ def has_answer(text: str, answers: Iterable[str], normalized_text: str | None = 
 
 
 def exact_match(prediction: str, answers: Iterable[str]) -> bool:
+  """Whether the prediction equals an answer after `normalize_answer`, as the official ORQA and
+  NQ-Open evaluations compare them, so that scores compare with published ones. As there, a gold
+  answer that normalises to nothing (NQ-Open dev has "A+", "---", ")", "*") equals any prediction
+  that does too ("the", "(")."""
   p = normalize_answer(prediction)
   return any(p == normalize_answer(a) for a in _answer_list(answers))
 

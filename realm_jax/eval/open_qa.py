@@ -172,6 +172,13 @@ def _context(text: str, a: int, b: int) -> str:
   return ("..." if lo > 0 else "") + text[lo:hi] + ("..." if hi < len(text) else "")
 
 
+def check_ks(ks: Sequence[int], corpus_size: int) -> None:
+  """ValueError (naming config.ks) unless every recall@k can be measured on the corpus."""
+  if not ks or min(ks) < 1 or max(ks) > corpus_size:
+    raise ValueError(f"config.ks={tuple(ks)}: recall@k needs 1 <= k <= {corpus_size}, the blocks "
+                     "of the corpus; pass e.g. --config.ks='(1,5)'.")
+
+
 def evaluate_open_qa(qa: OpenQa, questions: Sequence[dict], *, ks: Sequence[int] = (1, 5, 20),
                      bm25=None, read: bool = True, progress: bool = False) -> dict:
   """EM and recall@k of `qa` on questions; `bm25` (a BM25Index over the corpus rows) replaces the
@@ -182,6 +189,7 @@ def evaluate_open_qa(qa: OpenQa, questions: Sequence[dict], *, ks: Sequence[int]
   read=False: retrieval only (em None, no predictions).
   """
   from tqdm.auto import tqdm
+  check_ks(ks, len(qa.corpus))
   start = time.perf_counter()
   k = max(max(ks), qa.reader_blocks)
   texts = [q["question"] for q in questions]

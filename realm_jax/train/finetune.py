@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from realm_jax.checkpoints import detect_kind, from_hf_state_dict, load_minilm, read_state_dict
 from realm_jax.data.qa import load_questions, split_by_hash
 from realm_jax.data.qa_batches import QaBatcher
-from realm_jax.eval.open_qa import OpenQa, evaluate_open_qa
+from realm_jax.eval.open_qa import OpenQa, check_ks, evaluate_open_qa
 from realm_jax.io_utils import as_path, read_json
 from realm_jax.models import RealmConfig, RealmReader
 from realm_jax.retrieval import build
@@ -236,10 +236,27 @@ def qa_optimizer(config) -> tuple[dict, optax.GradientTransformation]:
   return schedules, optax.multi_transform(parts, labels)
 
 
+def check_counts(config) -> None:
+  """ValueError naming the first count of `config` out of range (a zero period divided by zero
+  after the first step; a negative limit dropped the last questions)."""
+  positive = ("num_steps", "batch_size", "beam", "reader_blocks", "log_every", "checkpoint_every",
+              "eval_batch_size")
+  zero_means = {"eval_every": "no dev evaluation", "eval_limit": "every dev question",
+                "data.limit": "every question"}
+  for key in positive:
+    if config[key] < 1:
+      raise ValueError(f"config.{key}={config[key]}: must be at least 1.")
+  for key, meaning in zero_means.items():
+    value = config.data.limit if key == "data.limit" else config[key]
+    if value < 0:
+      raise ValueError(f"config.{key}={value}: must be at least 0 (0 = {meaning}).")
+
+
 class QaTrainer:
   """Fine-tuning run; `run()` trains to config.num_steps, evaluating and keeping the best."""
 
   def __init__(self, config, workdir: str):
+    check_counts(config)
     if config.batch_size % jax.device_count():
       raise ValueError(f"config.batch_size={config.batch_size} is not divisible by the "
                        f"{jax.device_count()} devices: pick a multiple.")
@@ -253,6 +270,7 @@ class QaTrainer:
     if config.beam > len(self.setup.corpus):
       raise ValueError(f"config.beam={config.beam} is more than the {len(self.setup.corpus)} "
                        "blocks of the corpus.")
+    check_ks(config.ks, len(self.setup.corpus))  # now, not at the first dev evaluation
     self.splits = split_questions(config)
     logging.info("Questions: %s", {k: len(v) for k, v in self.splits.items()})
     self.mesh = Mesh(np.array(jax.devices()), ("data",))
