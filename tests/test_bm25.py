@@ -106,3 +106,7 @@ def test_bad_input():
     BM25Index.build(["the", "..."])
   with pytest.raises(ValueError, match="k1 >= 0 and 0 <= b <= 1"):
     BM25Index.build(DOCS, b=2)
+  index = BM25Index.build(DOCS)
+  for call in (index.scores, lambda q: index.search(q, 2)):  # not 16 one-character queries
+    with pytest.raises(TypeError, match="is one string: pass a list of queries"):
+      call("capital of France")

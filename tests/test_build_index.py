@@ -89,7 +89,8 @@ def test_bad_settings_fail_before_the_corpus_is_built(setup, tmp_path):
       ("index.searcher", "faiss", r"--config.index.searcher='faiss': use one of \('exact'"),
       ("index.dtype", "float16", r"--config.index.dtype='float16': use one of"),
       ("truncate", "left", r"--config.truncate='left': use one of \('b', 'longest', 'none'\)"),
-      ("eval.questions", str(tmp_path / "nope.jsonl"), r"nope.jsonl")):
+      ("eval.questions", str(tmp_path / "nope.jsonl"), r"nope.jsonl"),
+      ("eval.ks", (1, 0), r"--config.eval.ks=\(1, 0\): give the k of recall@k as positive")):
     bad = cfg.copy_and_resolve_references()
     section, _, name = key.rpartition(".")
     setattr(bad[section] if section else bad, name, value)
@@ -129,3 +130,39 @@ def test_scann_settings_come_from_the_config(setup, tmp_path):
   scann_cfg.index.scann.dims_per_block = 0  # 0: DocIndex's default (2)
   assert build.load_built_index(scann_cfg, str(tmp_path))[1].scann_settings[
       "dims_per_block"] == 2
+
+
+def test_refresher_refuses_a_config_other_than_the_trainers(tmp_path):
+  """experiments/refresh_index.py with other settings than the trainer on its workdir: checkpoints
+  of other shapes, or indexes of other blocks (doc_length), published silently otherwise. Refused
+  before the corpus and examples are built."""
+  from realm_jax.configs.pretrain import get_config as pretrain_config
+  from realm_jax.train import refresher
+  trainer = pretrain_config("tiny")
+  (tmp_path / "config.json").write_text(trainer.to_json())
+  for key, value in (("doc_length", 32), ("num_layers", 1)):
+    other = pretrain_config("tiny")
+    setattr(other, key, value)
+    with pytest.raises(ValueError, match=rf"another config .*\('{key}', \d+, {value}\)"):
+      refresher.run_refresher(other, str(tmp_path), poll_seconds=0, max_refreshes=1,
+                              stop_after_idle_s=0)
+  bad_index = pretrain_config("tiny")
+  bad_index.index.searcher = "faiss"
+  with pytest.raises(ValueError, match="--config.index.searcher='faiss'"):
+    refresher.run_refresher(bad_index, str(tmp_path), poll_seconds=0, max_refreshes=1,
+                            stop_after_idle_s=0)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # nothing built
+  assert refresher.check_trainer_config(trainer, str(tmp_path))
+  assert not refresher.check_trainer_config(trainer, str(tmp_path / "not_started"))
+
+
+def test_recall_at_more_blocks_than_the_corpus_names_the_flag(setup, tmp_path):
+  """The default ks (1, 5, 20) on a corpus of fewer blocks: the error names --config.eval.ks."""
+  _, cfg, _ = setup
+  bad = cfg.copy_and_resolve_references()
+  bad.eval.ks = (1, 5, 30)
+  with pytest.raises(ValueError, match=r"--config.eval.ks=\(1, 5, 30\) asks for recall@30, but the "
+                                       r"corpus .* has 25 blocks"):
+    build.build_and_evaluate(bad, str(tmp_path))
+  bad.eval.ks = (1, 25)  # every block: the whole corpus ranked
+  assert set(build.build_and_evaluate(bad, str(tmp_path))["recall"]) == {1, 25}

@@ -263,3 +263,87 @@ def test_export_of_a_cased_checkpoint_stays_cased(tmp_path):
     ict.export_retriever(str(export), config, params, str(src / "vocab.txt"))
     assert checkpoint_lowercase(export / "vocab.txt") is lowercase
     assert (export / "tokenizer_config.json").exists() == (casing is not None)
+
+
+class _FakeCorpus:
+  """Corpus rows as ICTExamples reads them: block_ids and blocks of word-piece ids."""
+
+  def __init__(self, blocks):
+    self.blocks = blocks
+    self.block_ids = np.arange(len(blocks), dtype=np.int64) + 1
+
+  def __getitem__(self, row):
+    return self.blocks[row]
+
+
+def test_document_has_the_layout_the_index_embeds():
+  """The document tower trains on what build_index.py and pre-training show it (Corpus.model_inputs:
+  `[CLS] title [SEP] body [SEP]`, `[CLS] [SEP] body [SEP]` without a title, the body cut first)."""
+  from realm_jax.text import join_bert
+  cls, sep, pad = 101, 102, 0
+  title = [7, 8, 9, 10, 11, 12]
+  block = dict(token_ids=[20, 21, 22, 23, 24, 25, 26], sentence_starts=[0, 2, 4])
+  corpus = _FakeCorpus([dict(block, title_token_ids=title), dict(block, title_token_ids=[]),
+                        dict(block, title_token_ids=list(range(30, 42)))])
+  ex = ict.ICTExamples(corpus, "train", 0, query_length=8, doc_length=12, remove_prob=0.0,
+                       cls_id=cls, sep_id=sep, pad_id=pad)
+  want = {  # by hand: 12 word pieces, body in segment 1
+      0: ([cls, 7, 8, 9, 10, 11, 12, sep, 20, 21, 22, sep], [0] * 8 + [1] * 4),
+      1: ([cls, sep, 20, 21, 22, 23, 24, 25, 26, sep, pad, pad], [0] * 2 + [1] * 8 + [0] * 2),
+      2: ([cls] + list(range(30, 39)) + [sep, sep], [0] * 11 + [1])}
+  for row, (ids, types) in want.items():
+    doc = ex(row, np.random.default_rng(row))["document"]
+    np.testing.assert_array_equal(doc["input_ids"], ids)
+    np.testing.assert_array_equal(doc["token_type_ids"], types)
+    np.testing.assert_array_equal(doc["attention_mask"], np.asarray(ids) != pad)
+    if row < 2:  # the index's own layout (Corpus.model_inputs joins with truncate="b")
+      ref = join_bert(corpus[row]["title_token_ids"], block["token_ids"], 12, cls, sep, pad, "b")
+      for k in KEYS:
+        np.testing.assert_array_equal(doc[k], ref[k])
+
+
+def test_a_split_without_blocks_is_refused_instead_of_hanging(corpus_setup):
+  """heldout_percent=100 leaves no training block: the endless iterator would skip rows forever."""
+  _, corpus, tok = corpus_setup
+  kw = dict(batch_size=4, seed=0, query_length=16, doc_length=48, remove_prob=0.9, tokenizer=tok)
+  with pytest.raises(ValueError, match="No block .* in the train split with heldout_percent=100"):
+    ict.ict_batches(corpus, "train", heldout_percent=100, **kw)
+  with pytest.raises(ValueError, match="in the heldout split with heldout_percent=0.*eval_every=0"):
+    ict.ict_batches(corpus, "heldout", heldout_percent=0, **kw)
+  with pytest.raises(ValueError, match="heldout_percent=-5 must be between 0 and 100"):
+    ict.ict_batches(corpus, "train", heldout_percent=-5, **kw)
+
+
+def test_bert_weights_that_are_not_a_directory_are_named(tmp_path):
+  from realm_jax.configs.ict import get_config
+  cfg = get_config("tiny")
+  cfg.init = "bert"
+  (tmp_path / "model.safetensors").write_bytes(b"")
+  for path in (tmp_path / "model.safetensors", tmp_path / "nowhere"):
+    cfg.bert_weights = str(path)
+    with pytest.raises(FileNotFoundError, match=f"config.bert_weights={path} is not a directory"):
+      ict.build_retriever(cfg)
+
+
+def test_a_config_refused_for_a_typo_does_not_claim_the_workdir(corpus_setup, tmp_path):
+  """The workdir keeps the config of its run: a config that fails its checks must not become it,
+  or the corrected command is refused as 'a run made with another config'."""
+  from realm_jax.configs.ict import get_config
+  root, _, _ = corpus_setup
+  cfg = get_config("tiny")
+  cfg.corpus.source, cfg.corpus.paths = "jsonl", (str(root / "docs.jsonl"),)
+  cfg.corpus.max_docs, cfg.data_dir = 0, str(root / "data")
+  workdir = str(tmp_path / "run")
+  for key, value, error, match in (
+      ("init", "hf", ValueError, "config.init='hf'"),
+      ("heldout_percent", 150, ValueError, "heldout_percent=150 must be between 0 and 100"),
+      ("corpus.paths", (str(tmp_path / "typo.jsonl"),), FileNotFoundError, "typo.jsonl")):
+    bad = cfg.copy_and_resolve_references()
+    section, _, name = key.rpartition(".")
+    setattr(bad[section] if section else bad, name, value)
+    with pytest.raises(error, match=match):
+      ict.ICTTrainer(bad, workdir)
+    assert not os.path.exists(os.path.join(workdir, "config.json"))
+  trainer = ict.ICTTrainer(cfg, workdir)  # the corrected command starts
+  assert int(trainer.state.step) == 0
+  trainer.metrics.close()

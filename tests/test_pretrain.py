@@ -240,6 +240,18 @@ def test_a_workdir_from_before_a_fixed_setting_existed_takes_its_old_value(tmp_p
     check_workdir_config(config, str(tmp_path))
 
 
+def test_a_config_refused_for_a_typo_does_not_claim_the_workdir(tmp_path, data_dir):
+  """A missing corpus file or a bad index setting is refused before config.json is written, so
+  the corrected command is not refused as 'a run made with another config'."""
+  workdir = tmp_path / "w"
+  code, out = run(str(workdir), data_dir, "--config.corpus.source=jsonl",
+                  f"--config.corpus.paths=('{tmp_path / 'missing.jsonl'}',)")
+  assert code != 0 and "missing.jsonl" in out, out[-3000:]
+  code, out = run(str(workdir), data_dir, "--config.index.searcher=faiss")
+  assert code != 0 and "faiss" in out, out[-3000:]
+  assert not (workdir / "config.json").exists()
+
+
 def test_unknown_flag_is_refused(tmp_path, data_dir):
   code, out = run(str(tmp_path / "w"), data_dir, "--config.no_such_setting=1")
   assert code != 0 and "no_such_setting" in out

@@ -138,3 +138,14 @@ def test_optimal_buckets_match_brute_force():
   assert optimal_buckets(np.array([3, 9, 9, 40]), 64, 8, shape_cost=1e9) == [40, 64]
   with pytest.raises(ValueError, match="exceeds max_length=64"):
     optimal_buckets(np.array([65]), 64)
+
+
+def test_bad_questions_and_k_fail_before_the_index_is_built(tmp_path):
+  from realm_jax.configs.build_index import get_config
+  from realm_jax.retrieval import search_demo
+  for questions, k, match in ((["who painted the mona lisa"], 0, r"--k=0: ask for at least 1"),
+                              (["who painted the mona lisa"], -3, r"--k=-3"),
+                              (["  "], 5, "Empty question"), ([], 5, "No question given")):
+    with pytest.raises(ValueError, match=match):
+      search_demo.run(str(tmp_path / "work"), questions, k, config=get_config("tiny"))
+  assert not (tmp_path / "work").exists()  # nothing built

@@ -100,6 +100,9 @@ class BM25Index:
 
   def _query_matrix(self, queries: Sequence[str]) -> sp.csr_matrix:
     """[Q, V] counts of the known query terms."""
+    if isinstance(queries, str):  # else each character would be a query
+      raise TypeError(f"queries={queries!r} is one string: pass a list of queries, e.g. "
+                      f"[{queries!r}].")
     indptr, indices, counts = [0], [], []
     for q in queries:
       c = collections.Counter(self.term_ids[t] for t in tokenize(q) if t in self.term_ids)

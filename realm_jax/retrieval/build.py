@@ -72,12 +72,21 @@ def build_and_evaluate(config, workdir: str) -> dict | None:
   # The questions are read first: a bad path or line fails before minutes of embedding.
   questions = (load_qa_jsonl(config.eval.questions, config.eval.limit or None)
                if config.eval.questions else None)
+  ks = tuple(config.eval.ks)
+  if questions is not None and (not ks or not all(isinstance(k, int) and k >= 1 for k in ks)):
+    raise ValueError(f"--config.eval.ks={ks}: give the k of recall@k as positive integers, "
+                     "e.g. --config.eval.ks='(1, 5, 20)'.")
   towers = towers_of(config)
   corpus, index, _ = build_index(config, workdir, towers)
   if questions is None:
     return None
+  if max(ks) > len(corpus):
+    raise ValueError(
+        f"--config.eval.ks={ks} asks for recall@{max(ks)}, but the corpus in {corpus.data_dir} "
+        f"has {len(corpus)} blocks: pass ks of at most {len(corpus)} (the index is built; running "
+        "again reuses it).")
   query_tower = towers["query"]
-  result = evaluate_retrieval(query_tower, index, corpus, questions, tuple(config.eval.ks))
+  result = evaluate_retrieval(query_tower, index, corpus, questions, ks)
   line = " ".join(f"R@{k}={v:.1f}" for k, v in result["recall"].items())
   print(f"{config.eval.questions}: {len(questions)} questions, {line}")
   return result

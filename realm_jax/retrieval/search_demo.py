@@ -14,13 +14,20 @@ from realm_jax.eval.retrieval import embed_questions
 from realm_jax.retrieval import build
 
 
-def search(tower, index, corpus, questions: Sequence[str], k: int = 5):
-  """Top-k [(title, score)] per question."""
+def check_questions(questions: Sequence[str], k: int) -> None:
+  """Raises ValueError naming the flag when there is no question, an empty one, or k < 1."""
   if not questions:
     raise ValueError("No question given: pass at least one --question.")
+  if k < 1:
+    raise ValueError(f"--k={k}: ask for at least 1 article per question.")
   for q in questions:
     if not q.strip():
       raise ValueError("Empty question: ask something, e.g. --question='who painted the Mona Lisa'.")
+
+
+def search(tower, index, corpus, questions: Sequence[str], k: int = 5):
+  """Top-k [(title, score)] per question (k is cut to the size of the corpus)."""
+  check_questions(questions, k)
   scores, ids = index.search(embed_questions(tower, questions), min(k, len(corpus)))
   rows = corpus.rows_of(ids)
   return [[(corpus[r]["title"], float(s)) for r, s in zip(row_r, row_s)]
@@ -29,6 +36,7 @@ def search(tower, index, corpus, questions: Sequence[str], k: int = 5):
 
 def run(workdir: str, questions: Sequence[str], k: int = 5, config=None):
   """Builds the index in `workdir` (reusing what is there) and prints the top-k titles."""
+  check_questions(questions, k)  # before minutes of embedding
   config = config or build_index_configs.get_config("wiki_vital_minilm")
   towers = build.towers_of(config)
   corpus, index, _ = build.build_index(config, workdir, towers)

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from realm_jax.checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
-from realm_jax.data.corpus import Corpus
+from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.pretrain import is_heldout
 from realm_jax.io_utils import as_path, atomic_write_dir, is_remote
 from realm_jax.models.config import RealmConfig
@@ -68,9 +68,10 @@ class ICTExamples:
   """grain random map: corpus row -> ICT pair, or None (block of one sentence, or other split).
 
   The pair: `query` = `[CLS] sentence [SEP]` ([Lq]), `document` = `[CLS] title [SEP] body [SEP]`
-  ([Ld], `[CLS] body [SEP]` without a title) whose body lacks that sentence with probability
-  `remove_prob`; both as {input_ids, attention_mask, token_type_ids} int32. The sentence and the
-  removal are drawn from `rng`, grain's per-element generator, so a seed fixes every example.
+  ([Ld], `[CLS] [SEP] body [SEP]` without a title, as the index embeds it) whose body lacks that
+  sentence with probability `remove_prob`; both as {input_ids, attention_mask, token_type_ids}
+  int32. The sentence and the removal are drawn from `rng`, grain's per-element generator, so a
+  seed fixes every example.
   """
   corpus: Corpus
   split: str
@@ -94,15 +95,28 @@ class ICTExamples:
     removed = bool(rng.random() < self.remove_prob)
     query = [int(t) for t in sentences[pick][:self.query_length - 2]]
     body = [int(t) for i, s in enumerate(sentences) if not (removed and i == pick) for t in s]
-    title = [int(t) for t in block["title_token_ids"]]
-    # "longest" cuts the body first, and a title only when it alone overflows the budget.
-    join = functools.partial(join_bert, max_length=self.doc_length, cls_id=self.cls_id,
-                             sep_id=self.sep_id, pad_id=self.pad_id, truncate="longest")
+    # The layout the index and pre-training give the document tower (Corpus.model_inputs,
+    # CandidateBuilder): `[CLS] [SEP] body [SEP]` without a title, the body cut first, the title
+    # only when it alone overflows.
+    title = [int(t) for t in block["title_token_ids"]][:self.doc_length - 3]
     return {"query": join_bert(query, None, self.query_length, self.cls_id, self.sep_id,
                                self.pad_id),
-            "document": join(title, body) if title else join(body, None),
+            "document": join_bert(title, body, self.doc_length, self.cls_id, self.sep_id,
+                                  self.pad_id, truncate="b"),
             "block_row": np.int64(row),
             "removed": np.int32(removed)}
+
+
+def check_settings(*, seed: int, query_length: int, doc_length: int, remove_prob: float,
+                   heldout_percent: float) -> None:
+  """Raises ValueError naming the setting that `ict_batches` cannot use."""
+  if not 0 <= remove_prob <= 1 or query_length < 3 or doc_length < 4:
+    raise ValueError(f"remove_prob={remove_prob} (0..1), query_length={query_length} (>= 3) or "
+                     f"doc_length={doc_length} (>= 4) is out of range.")
+  if not 0 <= heldout_percent <= 100:
+    raise ValueError(f"heldout_percent={heldout_percent} must be between 0 and 100.")
+  if not 0 <= seed < 2**32:
+    raise ValueError(f"seed={seed} must be in [0, 2**32).")
 
 
 def ict_batches(corpus: Corpus, split: str, *, batch_size: int, seed: int, query_length: int,
@@ -127,26 +141,37 @@ def ict_batches(corpus: Corpus, split: str, *, batch_size: int, seed: int, query
     "document": the same [B, Ld], "block_row" [B] int64, "removed" [B] int32}.
     `get_state()` is JSON-serialisable; `set_state` on a fresh iterator resumes exactly.
   Raises:
-    ValueError for settings out of range, or when the first rows of the shard hold no block of
-    two or more sentences (a corpus of single-sentence blocks would never yield a batch).
+    ValueError for settings out of range, when no row of the shard is in `split`, or when its
+    first rows in `split` hold no block of two or more sentences (either would never yield a
+    batch).
   """
   if split not in SPLITS:
     raise ValueError(f"split={split!r}: use one of {SPLITS}.")
-  if not 0 <= remove_prob <= 1 or query_length < 3 or doc_length < 4:
-    raise ValueError(f"remove_prob={remove_prob} (0..1), query_length={query_length} (>= 3) or "
-                     f"doc_length={doc_length} (>= 4) is out of range.")
   if not 0 <= shard_index < shard_count:
     raise ValueError(f"shard_index={shard_index} must be in [0, shard_count={shard_count}).")
-  if not 0 <= seed < 2**32:
-    raise ValueError(f"seed={seed} must be in [0, 2**32).")
+  check_settings(seed=seed, query_length=query_length, doc_length=doc_length,
+                 remove_prob=remove_prob, heldout_percent=heldout_percent)
   ds = grain.MapDataset.range(len(corpus))[shard_index::shard_count]
   if not 1 <= batch_size <= len(ds):
     raise ValueError(f"batch_size={batch_size} must be between 1 and the {len(ds)} blocks of shard "
                      f"{shard_index}/{shard_count} of the corpus in {corpus.data_dir}.")
-  probe = [ds[i] for i in range(min(len(ds), 2000))]
-  if not any(len(block_sentences(corpus[r])) >= 2 for r in probe):
+  # Without one usable block in the split, an endless iterator would skip rows forever.
+  probed, usable = 0, False  # blocks of the split looked at; one of two sentences among them
+  for i in range(len(ds)):
+    if is_heldout(int(corpus.block_ids[ds[i]]), heldout_percent) != (split == "heldout"):
+      continue
+    probed += 1
+    usable = len(block_sentences(corpus[ds[i]])) >= 2
+    if usable or probed >= 2000:
+      break
+  if probed == 0:
     raise ValueError(
-        f"None of the first {len(probe)} blocks of the corpus in {corpus.data_dir} has two "
+        f"No block of shard {shard_index}/{shard_count} of the corpus in {corpus.data_dir} is in "
+        f"the {split} split with heldout_percent={heldout_percent}: set config.heldout_percent "
+        f"{'below 100' if split == 'train' else 'above 0 (or config.eval_every=0)'}.")
+  if not usable:
+    raise ValueError(
+        f"None of the first {probed} {split} blocks of the corpus in {corpus.data_dir} has two "
         "sentences: ICT takes a sentence out of a block. Build the corpus with "
         "blocking='sentences' and a larger block_length.")
   examples = ICTExamples(corpus, split, heldout_percent, query_length, doc_length, remove_prob,
@@ -178,6 +203,10 @@ def build_retriever(config) -> tuple[RealmRetriever, RealmConfig, str]:
     if not config.bert_weights:
       raise ValueError("config.init='bert' needs config.bert_weights: a HF BERT directory "
                        "(config.json, model.safetensors, vocab.txt).")
+    if not as_path(config.bert_weights).is_dir():
+      raise FileNotFoundError(
+          f"config.bert_weights={config.bert_weights} is not a directory: pass a HF BERT "
+          "directory (config.json, model.safetensors, vocab.txt).")
     model_config = RealmConfig.from_json_file(os.path.join(config.bert_weights, "config.json"))
     vocab = config.vocab_file or os.path.join(config.bert_weights, "vocab.txt")
   else:
@@ -313,9 +342,14 @@ class ICTTrainer:
                        f"{jax.device_count()} devices: pick a multiple.")
     self.config, self.workdir = config, workdir
     self.export_dir = config.export_dir or os.path.join(workdir, "export")
+    # Settings are checked before config.json is written: a config refused for a typo must not
+    # become the workdir's, refusing the corrected one. (The corpus fingerprint reads its files.)
+    self.model, self.model_config, self.vocab_file = build_retriever(config)
+    _ = CorpusConfig.from_config(config.corpus, self.vocab_file).fingerprint
+    check_settings(seed=config.seed, query_length=config.query_length, doc_length=config.doc_length,
+                   remove_prob=config.remove_prob, heldout_percent=config.heldout_percent)
     as_path(workdir).mkdir(parents=True, exist_ok=True)
     check_workdir_config(config, workdir)
-    self.model, self.model_config, self.vocab_file = build_retriever(config)
     self.tokenizer = BertTokenizer(self.vocab_file)
     self.corpus = open_corpus(config, config.data_dir or os.path.join(workdir, "data"),
                               self.vocab_file)

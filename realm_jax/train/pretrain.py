@@ -20,6 +20,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,11 +45,11 @@ from realm_jax.retrieval.index import (index_dirs, index_options, latest_index_d
 
 # Settings that change the shapes of parameters, of the optimiser state (a separate retriever
 # rate adds a partition) or of the data: a workdir keeps its own.
-_FIXED = ("init", "model", "num_layers", "retriever_num_layers", "share_embedders",
+FIXED_SETTINGS = ("init", "model", "num_layers", "retriever_num_layers", "share_embedders",
           "retriever_learning_rate", "corpus", "query_length", "max_masked", "tagger",
           "heldout_percent")
 # Fixed settings added later, and the value that runs (or configs) without them use.
-_ADDED = {"retriever_learning_rate": -1.0, "reader_title": True, "retriever_num_layers": 0}
+ADDED_SETTINGS = {"retriever_learning_rate": -1.0, "reader_title": True, "retriever_num_layers": 0}
 
 
 def maybe_initialize_distributed(enabled: bool) -> None:
@@ -58,20 +60,24 @@ def maybe_initialize_distributed(enabled: bool) -> None:
     distributed.initialize()
 
 
-def check_workdir_config(config, workdir: str, fixed: tuple[str, ...] = _FIXED) -> None:
+def config_diff(old: dict, current: dict, keys: Iterable[str]) -> list[tuple[str, Any, Any]]:
+  """(key, old value, current value) of the `keys` whose values differ between two configs as
+  JSON; a key missing from a config written before it existed takes its ADDED_SETTINGS value."""
+  value = lambda c, k: c.get(k, ADDED_SETTINGS.get(k))
+  return [(k, value(old, k), value(current, k)) for k in keys if value(old, k) != value(current, k)]
+
+
+def check_workdir_config(config, workdir: str, fixed: tuple[str, ...] = FIXED_SETTINGS) -> None:
   """Writes the config to `workdir/config.json`; refuses a workdir whose run was made with other
   `fixed` settings (shapes of parameters, optimiser state or data)."""
   path = os.path.join(workdir, "config.json")
   current = json.loads(config.to_json())
   if as_path(path).exists():
-    old = read_json(path)
-    value = lambda c, k: c.get(k, _ADDED.get(k))
-    diff = [k for k in fixed if value(old, k) != value(current, k)]
+    diff = config_diff(read_json(path), current, fixed)
     if diff:
       raise ValueError(
-          f"{workdir} holds a run made with another config ({', '.join(diff)} differ: "
-          f"{[(k, old.get(k), current.get(k)) for k in diff]}). Resume it with the config it was "
-          "made with, or use a new --workdir.")
+          f"{workdir} holds a run made with another config ({', '.join(k for k, _, _ in diff)} "
+          f"differ: {diff}). Resume it with the config it was made with, or use a new --workdir.")
   if jax.process_index() == 0:
     write_json(path, current)
 
@@ -166,10 +172,14 @@ class Trainer:
       raise ValueError(f"config.batch_size={config.batch_size} is not divisible by the "
                        f"{jax.device_count()} devices: pick a multiple.")
     self.config, self.workdir = config, workdir
+    # The weights, the corpus files and the index settings are checked before config.json is
+    # written: a config refused for a typo must not become the workdir's and refuse the fixed one.
+    self.models, self.model_config, vocab = build_models(config)
+    corpus_fingerprint = CorpusConfig.from_config(config.corpus, vocab).fingerprint
+    index_options(config.index)
     as_path(workdir).mkdir(parents=True, exist_ok=True)
     check_workdir_config(config, workdir)
-    self.models, self.model_config, vocab = build_models(config)
-    check_workdir_corpus(workdir, CorpusConfig.from_config(config.corpus, vocab).fingerprint)
+    check_workdir_corpus(workdir, corpus_fingerprint)
     self.corpus, self.tokenizer, self.examples_dir = open_data(config, workdir, vocab)
     tok = self.tokenizer
     self.builder = CandidateBuilder(self.corpus, tok.cls_id, tok.sep_id, config.num_candidates,

@@ -9,6 +9,7 @@ steps. A refresher killed mid-write leaves only an ignored temporary directory.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -17,11 +18,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from realm_jax.io_utils import absolute, as_path
+from realm_jax.io_utils import absolute, as_path, read_json
 from realm_jax.retrieval.index import index_options, latest_index_dir
 from realm_jax.train import checkpoints
 from realm_jax.train.init import build_models
-from realm_jax.train.pretrain import open_data
+from realm_jax.train.pretrain import FIXED_SETTINGS, config_diff, open_data
 from realm_jax.train.refresh import DocumentEmbedder, index_step, refresh
 
 
@@ -45,6 +46,28 @@ def read_retriever_params(checkpoint_dir: str, step: int) -> dict:
   return restored["params"]["retriever"]
 
 
+# The trainer's settings that decide what an index holds: the retriever's shapes, the corpus and
+# its examples (which `open_data` builds), and the block length the blocks are embedded at.
+_SAME_AS_TRAINER = tuple(k for k in FIXED_SETTINGS if k != "retriever_learning_rate") + (
+    "doc_length",)
+
+
+def check_trainer_config(config, workdir: str) -> bool:
+  """Refuses a config whose index settings differ from the trainer's `workdir/config.json` (its
+  checkpoints would not load into these towers, or its indexes would embed other blocks, or the
+  same blocks otherwise). Returns False when the trainer has not written its config yet."""
+  path = os.path.join(workdir, "config.json")
+  if not as_path(path).exists():
+    return False
+  diff = config_diff(read_json(path), json.loads(config.to_json()), _SAME_AS_TRAINER)
+  if diff:
+    raise ValueError(
+        f"The trainer in {workdir} runs with another config than this refresher ((setting, "
+        f"trainer, refresher): {diff}). Start the refresher with the trainer's --config and "
+        "--flagfile.")
+  return True
+
+
 def run_refresher(config, workdir: str, *, poll_seconds: float = 10.0,
                   max_refreshes: int | None = None, stop_after_idle_s: float | None = None) -> int:
   """Publishes an index for each new checkpoint; returns how many it published.
@@ -52,12 +75,14 @@ def run_refresher(config, workdir: str, *, poll_seconds: float = 10.0,
   Stops after `max_refreshes` indexes, or after `stop_after_idle_s` seconds without a new
   checkpoint (None: runs until killed, like REALM's index builder).
   """
+  # Bad settings fail before minutes of corpus and examples.
+  checked = check_trainer_config(config, workdir)
+  options = index_options(config.index)
   models, _, vocab = build_models(config)
   corpus, tokenizer, _ = open_data(config, workdir, vocab)
   embedder = DocumentEmbedder(models, corpus, tokenizer, config.doc_length,
                               config.index.embed_batch_size)
   root = os.path.join(workdir, "index")
-  options = index_options(config.index)
   ckpt_dir = os.path.join(workdir, "checkpoints")
   published, idle_since, manager = 0, time.monotonic(), None
   while max_refreshes is None or published < max_refreshes:
@@ -68,6 +93,8 @@ def run_refresher(config, workdir: str, *, poll_seconds: float = 10.0,
       manager.reload()  # only finalised checkpoints count: a half-written one is invisible
     newest = None if manager is None else manager.latest_step()
     if newest is not None and newest > index_step(latest_index_dir(root)):
+      # The trainer writes its config before its first checkpoint.
+      checked = checked or check_trainer_config(config, workdir)
       start = time.perf_counter()
       params = read_retriever_params(ckpt_dir, newest)
       _, path = refresh(root, embedder, params, newest, options,
