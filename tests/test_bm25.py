@@ -95,6 +95,8 @@ def test_save_load_round_trip(tmp_path):
                              [reference_scores(DOCS, q, 1.2, 0.75) for q in QUERIES], rtol=1e-6)
   assert sorted(p.name for p in path.iterdir()) == [
       "bm25.safetensors", "manifest.json", "vocab.json"]
+  BM25Index.build(DOCS, source="corpus abc").save(path)
+  assert BM25Index.load(path).source == "corpus abc" and loaded.source == ""
   with pytest.raises(FileNotFoundError, match="is not a saved BM25 index"):
     BM25Index.load(tmp_path / "nothing")
 
@@ -110,3 +112,38 @@ def test_bad_input():
   for call in (index.scores, lambda q: index.search(q, 2)):  # not 16 one-character queries
     with pytest.raises(TypeError, match="is one string: pass a list of queries"):
       call("capital of France")
+
+
+def test_the_saved_index_of_a_workdir_is_rebuilt_for_another_corpus_of_the_same_size(tmp_path,
+                                                                                     caplog):
+  from types import SimpleNamespace
+
+  from realm_jax.eval.report import bm25_of
+  read = []
+
+  def setup(fingerprint, docs):
+    block = lambda r: read.append(r) or {"text": docs[r]}
+    return SimpleNamespace(workdir=str(tmp_path), batcher=SimpleNamespace(block=block),
+                           corpus=_Corpus(fingerprint, len(docs)))
+
+  other = [d + " zebra" for d in DOCS]
+  first = bm25_of(setup("aaa", DOCS))
+  assert len(read) == len(DOCS)
+  again = bm25_of(setup("aaa", DOCS))  # loaded: no block read
+  assert len(read) == len(DOCS) and again.vocab == first.vocab
+  with caplog.at_level("WARNING"):
+    rebuilt = bm25_of(setup("bbb", other))
+  assert "indexes corpus aaa (4 documents), not the corpus bbb (4 blocks): rebuilding" in (
+      caplog.text)
+  np.testing.assert_allclose(rebuilt.scores(["zebra"]), [reference_scores(other, "zebra")],
+                             rtol=1e-6)
+
+
+class _Corpus:
+  """What bm25_of reads of a corpus: its fingerprint and size."""
+
+  def __init__(self, fingerprint, n):
+    self.fingerprint, self._n = fingerprint, n
+
+  def __len__(self):
+    return self._n

@@ -24,16 +24,18 @@ BM25_DIR = "bm25"
 
 
 def bm25_of(setup) -> BM25Index:
-  """A BM25 index over the corpus rows (title + " " + body), saved in the workdir once."""
+  """A BM25 index over the corpus rows (title + " " + body), saved in the workdir once and
+  rebuilt when the corpus is another (its fingerprint is saved with it)."""
   path = os.path.join(setup.workdir, BM25_DIR)
+  source = f"corpus {setup.corpus.fingerprint}"
   if io_utils.as_path(os.path.join(path, "manifest.json")).exists():
     index = BM25Index.load(path)
-    if len(index) == len(setup.corpus):
+    if index.source == source and len(index) == len(setup.corpus):
       return index
-    logging.warning("%s has %d documents, the corpus %d: rebuilding it.", path, len(index),
-                    len(setup.corpus))
+    logging.warning("%s indexes %s (%d documents), not the %s (%d blocks): rebuilding it.", path,
+                    index.source or "an unrecorded corpus", len(index), source, len(setup.corpus))
   texts = (setup.batcher.block(r)["text"] for r in range(len(setup.corpus)))
-  index = BM25Index.build(texts)
+  index = BM25Index.build(texts, source=source)
   index.save(path)
   return index
 

@@ -52,8 +52,9 @@ class BM25Index:
   """BM25 scores and top-k search over N documents; rows are positions in the built list."""
 
   def __init__(self, counts: sp.csr_matrix, vocab: Sequence[str], *, k1: float = 0.9,
-               b: float = 0.4):
-    """counts: [N, V] term counts per document; vocab: the V terms, by column."""
+               b: float = 0.4, source: str = ""):
+    """counts: [N, V] term counts per document; vocab: the V terms, by column; source: what the
+    documents are (e.g. a corpus fingerprint), saved with the index so a reader can check it."""
     if counts.shape[1] != len(vocab):
       raise ValueError(f"counts has {counts.shape[1]} columns, the vocabulary {len(vocab)} terms.")
     if k1 < 0 or not 0 <= b <= 1:
@@ -61,7 +62,7 @@ class BM25Index:
     self.counts = counts.tocsr()
     self.vocab = list(vocab)
     self.term_ids = {t: i for i, t in enumerate(self.vocab)}
-    self.k1, self.b = float(k1), float(b)
+    self.k1, self.b, self.source = float(k1), float(b), str(source)
 
     n = self.counts.shape[0]
     tf = self.counts.data.astype(np.float64)                                     # [nnz]
@@ -79,7 +80,8 @@ class BM25Index:
                                      self.counts.indptr.copy()), shape=self.counts.shape).T.tocsr()
 
   @classmethod
-  def build(cls, texts: Iterable[str], *, k1: float = 0.9, b: float = 0.4) -> "BM25Index":
+  def build(cls, texts: Iterable[str], *, k1: float = 0.9, b: float = 0.4,
+            source: str = "") -> "BM25Index":
     """Indexes the texts in order: row i of the index is the i-th text."""
     vocab: dict[str, int] = {}
     indptr, indices, counts = [0], [], []
@@ -93,7 +95,7 @@ class BM25Index:
     m = sp.csr_matrix((np.asarray(counts, np.int32), np.asarray(indices, np.int32),
                        np.asarray(indptr, np.int64)), shape=(len(indptr) - 1, len(vocab)))
     m.sort_indices()
-    return cls(m, list(vocab), k1=k1, b=b)
+    return cls(m, list(vocab), k1=k1, b=b, source=source)
 
   def __len__(self) -> int:
     return self.counts.shape[0]
@@ -145,7 +147,8 @@ class BM25Index:
     from safetensors.numpy import save_file  # local: only saving and loading need it
 
     manifest = {"format_version": FORMAT_VERSION, "tokenizer": TOKENIZER, "k1": self.k1,
-                "b": self.b, "num_docs": len(self), "vocab_size": len(self.vocab)}
+                "b": self.b, "num_docs": len(self), "vocab_size": len(self.vocab),
+                "source": self.source}
 
     def write(tmp):
       save_file({"indptr": self.counts.indptr.astype(np.int64),
@@ -181,4 +184,4 @@ class BM25Index:
                        "promises; rebuild the index.")
     counts = sp.csr_matrix((arrays["counts"], arrays["indices"], arrays["indptr"]), shape=(n, v))
     return cls(counts, vocab, k1=manifest["k1"] if k1 is None else k1,
-               b=manifest["b"] if b is None else b)
+               b=manifest["b"] if b is None else b, source=manifest.get("source", ""))
