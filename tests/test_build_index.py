@@ -1,6 +1,7 @@
 """experiments/build_index.py's pipeline with HF REALM weights: corpus -> embeddings -> index."""
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -97,6 +98,12 @@ def test_bad_settings_fail_before_the_corpus_is_built(setup, tmp_path):
     with pytest.raises((ValueError, FileNotFoundError), match=match):
       build.build_and_evaluate(bad, str(tmp_path / "w"))
     assert not (tmp_path / "w").exists()  # nothing built
+  (tmp_path / "run" / "checkpoints" / "2").mkdir(parents=True)  # a training run's workdir
+  (tmp_path / "run" / "index").mkdir()
+  with pytest.raises(ValueError, match=r"run holds a training run \(checkpoints/\): building an "
+                                       "index there would replace its index-00000000"):
+    build.build_and_evaluate(cfg, str(tmp_path / "run"))
+  assert os.listdir(tmp_path / "run" / "index") == []
 
 
 def test_missing_index_and_bad_weights_are_clear(setup, tmp_path):

@@ -8,6 +8,7 @@ import os
 from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.qa import load_qa_jsonl
 from realm_jax.eval.retrieval import evaluate_retrieval
+from realm_jax.io_utils import as_path
 from realm_jax.retrieval.embed import embed_corpus
 from realm_jax.retrieval.index import DocIndex, index_options, latest_index_dir, publish_index
 from realm_jax.retrieval.towers import load_towers
@@ -69,6 +70,11 @@ def load_built_index(config, workdir: str, towers=None):
 
 def build_and_evaluate(config, workdir: str) -> dict | None:
   """`build_index`, then recall@k on `config.eval.questions` when given."""
+  if as_path(os.path.join(workdir, "checkpoints")).exists():
+    raise ValueError(
+        f"{workdir} holds a training run (checkpoints/): building an index there would replace "
+        "its index-00000000 and the LATEST pointer its trainer and refresher follow. Pass another "
+        "--workdir (the corpus can be shared with --config.corpus settings, not the folder).")
   # The questions are read first: a bad path or line fails before minutes of embedding.
   questions = (load_qa_jsonl(config.eval.questions, config.eval.limit or None)
                if config.eval.questions else None)
