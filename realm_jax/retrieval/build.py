@@ -74,7 +74,7 @@ def build_and_evaluate(config, workdir: str) -> dict | None:
     raise ValueError(
         f"{workdir} holds a training run (checkpoints/): building an index there would replace "
         "its index-00000000 and the LATEST pointer its trainer and refresher follow. Pass another "
-        "--workdir (the corpus can be shared with --config.corpus settings, not the folder).")
+        "--workdir.")
   # The questions are read first: a bad path or line fails before minutes of embedding.
   questions = (load_qa_jsonl(config.eval.questions, config.eval.limit or None)
                if config.eval.questions else None)
