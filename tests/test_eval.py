@@ -1,5 +1,7 @@
 """Answer normalisation, matching and recall@k, checked on hand-made cases."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -87,6 +89,9 @@ def test_qa_jsonl_loader(tmp_path):
   assert load_qa_jsonl(str(p), limit=1) == [{"question": "who?", "answer": ["me"]}]
   with pytest.raises(FileNotFoundError, match="Question file .*nope.jsonl does not exist"):
     load_qa_jsonl(str(tmp_path / "nope.jsonl"))
+  p.write_text(json.dumps({"question": "x" * 1001, "answer": ["me"]}) + "\n")
+  with pytest.raises(ValueError, match=r"q.jsonl:1: the question has 1,001 characters"):
+    load_qa_jsonl(str(p))
 
 
 def test_shared_nq_open_dev_loads():

@@ -51,6 +51,7 @@ import tensorflow_datasets as tfds
 import tensorflow_datasets.core  # noqa: F401  (tfds.core is not imported by the package itself)
 
 from realm_jax.data.prepare import prepare
+from realm_jax.data.qa_batches import MAX_QUESTION_CHARS
 from realm_jax.eval.answers import normalize_answer
 from realm_jax.io_utils import iter_jsonl
 
@@ -135,12 +136,21 @@ class QaFile:
   url: str = ""
 
 
+def _check_length(where: str, question: str) -> None:
+  """A question longer than the readers and `ask` take fails here, naming its line, rather than
+  in the middle of a run."""
+  if len(question) > MAX_QUESTION_CHARS:
+    raise ValueError(f"{where}: the question has {len(question):,} characters, more than the "
+                     f"{MAX_QUESTION_CHARS:,} a question may have; shorten or remove it.")
+
+
 def read_qa_file(path: str, qa_file: QaFile, answer_type: str) -> list[dict]:
   """[{"question", "answers"}] of one file; errors name the file and line."""
   out = []
   for where, question, answers in qa_file.read(path):
     if not question.strip():
       raise ValueError(f"{where}: the question is empty; fix or remove it.")
+    _check_length(where, question)
     if answer_type == "regex":
       for pattern in answers:
         if not pattern.strip():
@@ -326,7 +336,8 @@ def load_qa_jsonl(path: str, limit: int | None = None) -> list[dict]:
   """Questions of a NQ-Open style JSONL file as [{"question", "answer"}]; errors name the file
   and line. (The older form of `load_questions` for any file of that format.)"""
   out = []
-  for _, question, answers in _read_nq_jsonl(path):
+  for where, question, answers in _read_nq_jsonl(path):
+    _check_length(where, question)
     out.append({"question": question, "answer": answers})
     if limit is not None and len(out) >= limit:
       break
