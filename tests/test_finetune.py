@@ -250,7 +250,7 @@ def test_curated_trec_style_questions_are_matched_not_compared(run, tmp_path):
 def test_a_workdir_keeps_its_reader_layout(tmp_path):
   """reader_title and reader_length change every reader input and positive: a run made without
   the reader_title setting (titles read) resumes with the default and is refused with titles
-  off, as is another reader_length."""
+  off, as is another reader_length, score scale, question length or number of gold spans."""
   from realm_jax.train.pretrain import check_workdir_config
   config = get_config("wiki_vital")
   check_workdir_config(config, str(tmp_path), finetune._FIXED)
@@ -258,7 +258,8 @@ def test_a_workdir_keeps_its_reader_layout(tmp_path):
   del saved["reader_title"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   check_workdir_config(config, str(tmp_path), finetune._FIXED)
-  for key, value in (("reader_title", False), ("reader_length", 320)):
+  for key, value in (("reader_title", False), ("reader_length", 320), ("score_scale", 1.0),
+                     ("question_length", 16), ("max_answer_spans", 2)):
     (tmp_path / "config.json").write_text(json.dumps(saved))
     other = get_config("wiki_vital")
     other[key] = value

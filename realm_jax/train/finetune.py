@@ -48,8 +48,11 @@ from realm_jax.train.pretrain import (add_step, check_workdir_config, count_bad_
                                       window_metrics)
 from realm_jax.train.qa_step import QaModels, TrainState, qa_params, qa_train_step, summarize_qa
 
+# Settings a resumed run must keep: the shapes of parameters, the questions and their splits,
+# what the reader and retriever read and how their scores are scaled.
 _FIXED = ("retrieval", "reader_weights", "reader_layers", "span_hidden_size", "max_span_width",
-          "data", "reader_title", "reader_length")
+          "data", "reader_title", "reader_length", "score_scale", "question_length",
+          "max_answer_spans")
 BEST = "best"
 NO_BEST = {"dev_em": -1.0, "dev_recall": -1.0, "step": -1}
 
