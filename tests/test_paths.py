@@ -292,6 +292,15 @@ def test_metrics_writer_rewrites_instead_of_appending_and_resumes(gcs):
   assert len(events) == 2  # one file per run, as locally
   scalars = sorted(s for k in events for s in _tb_scalars(gcs[k]))
   assert scalars == [("heldout/loss", 3, 1.0), ("train/loss", 1, 2.0), ("train/loss", 2, 1.5)]
+  # Resumed from step 1's checkpoint: the rows of steps 2 and 3 were logged by a run that stopped
+  # before checkpointing them; this run logs step 2 again, once.
+  again = MetricsWriter(workdir)
+  again.resume_at(1)
+  again.write(2, {"loss": 1.25}, "train")
+  again.close()
+  rows = [row for _, row in io_utils.iter_jsonl(f"{workdir}/metrics.jsonl")]
+  assert rows == [{"step": 1, "split": "train", "loss": 2.0},
+                  {"step": 2, "split": "train", "loss": 1.25}]
 
 
 def test_plot_reads_and_writes_gs(gcs):

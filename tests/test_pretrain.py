@@ -180,7 +180,8 @@ def test_resumed_from_an_older_checkpoint_the_later_indexes_are_not_used(tmp_pat
                                                                          uninterrupted):
   """The run stopped after publishing index 3 but before a checkpoint past step 2: resumed from
   step 2 it goes on with index 0 (the one that checkpoint names), points LATEST back at it, and
-  says so; it republishes step 3 as it gets there and ends with the uninterrupted parameters."""
+  says so; it republishes step 3 as it gets there and ends with the uninterrupted parameters and
+  metrics rows."""
   import shutil
   from realm_jax.retrieval.index import latest_index_dir
   workdir = tmp_path / "w"
@@ -195,6 +196,9 @@ def test_resumed_from_an_older_checkpoint_the_later_indexes_are_not_used(tmp_pat
                    r"index-00000000 again", out), out[-3000:]
   assert "Index refreshed at step 3" in out
   assert os.path.basename(latest_index_dir(workdir / "index")) == "index-00000003"
+  # The rows the stopped run logged after step 2 were replaced, not repeated.
+  key = lambda r: (r["step"], r["split"], r.get("loss"))
+  assert [key(r) for r in read_rows(workdir)] == [key(r) for r in read_rows(uninterrupted)]
   got, want = final_params(str(workdir), 6), final_params(uninterrupted, 6)
   for (path, a), (_, b) in zip(got, want):
     np.testing.assert_array_equal(a, b, err_msg=str(path))

@@ -388,6 +388,7 @@ class QaTrainer:
       self.state, meta = got
       self.position = meta["position"]
       self.seen = meta.get("seen", 0)
+    self.metrics.resume_at(int(self.state.step))
     self.best = best_record(self.best_manager) or dict(NO_BEST)
 
   def keep_best(self, step: int, meta: dict) -> bool:

@@ -408,6 +408,7 @@ class ICTTrainer:
     got = checkpoints.restore_latest(self.manager, self.state, self.train_iter)
     if got is not None:
       self.state = got[0]
+    self.metrics.resume_at(int(self.state.step))
 
   def export(self) -> None:
     if jax.process_index() == 0:

@@ -69,6 +69,12 @@ class MetricsWriter:
     self.logdir = os.path.join(workdir, TENSORBOARD)
     self._tb = None
     self._text: list[str] | None = None  # metrics.jsonl: what was there, then one line a write
+    self._resumed_at: int | None = None
+
+  def resume_at(self, step: int) -> None:
+    """The run resumed from `step`'s checkpoint: rows of later steps in metrics.jsonl were logged
+    by a run that stopped before checkpointing them, and go (this run logs those steps again)."""
+    self._resumed_at = int(step)
 
   def write(self, step: int, metrics: dict[str, float], split: str) -> None:
     """Adds `metrics` of `step` as TensorBoard scalars `split/name` and one line of
@@ -82,9 +88,19 @@ class MetricsWriter:
       path = io_utils.as_path(self.path)
       old = path.read_text() if path.exists() else ""
       # A line cut short by a run killed while appending (before this writer) stays on its own.
-      self._text = [old if old.endswith("\n") or not old else old + "\n"]
+      self._text = [line if line.endswith("\n") else line + "\n"
+                    for line in old.splitlines(keepends=True) if not self._later(line)]
     self._text.append(json.dumps({"step": step, "split": split, **metrics}) + "\n")
     io_utils.write_text(self.path, "".join(self._text))
+
+  def _later(self, line: str) -> bool:
+    """Whether a row of metrics.jsonl is of a step after the one the run resumed from."""
+    if self._resumed_at is None:
+      return False
+    try:
+      return int(json.loads(line)["step"]) > self._resumed_at
+    except (ValueError, TypeError, KeyError):  # not a row: kept as it was
+      return False
 
   def close(self) -> None:
     if self._tb is not None:

@@ -342,6 +342,7 @@ class Trainer:
     meta = None
     if got is not None:
       self.state, meta = got
+    self.metrics.resume_at(int(self.state.step))
     self.ensure_index(meta and meta.get("index_path"))
 
   def run(self) -> dict[str, float]:
