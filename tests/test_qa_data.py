@@ -92,6 +92,9 @@ def test_web_questions_official_format(tmp_path):
   builder = build(WebQuestions, tmp_path, tmp_path / "data")
   assert set(builder.info.splits) == {"test"}
   assert rows_of(builder, "test") == [{k: q[k] for k in ("question", "answers")} for q in qs]
+  # Saved by an editor that writes a UTF-8 byte-order mark: the same questions.
+  (tmp_path / "webquestions.examples.test.json").write_text(json.dumps(WEBQ), encoding="utf-8-sig")
+  assert load_questions("web_questions", "test", local_dir=str(tmp_path)) == qs
 
 
 class FakeDownloads:

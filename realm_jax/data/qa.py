@@ -84,7 +84,7 @@ _DESCRIPTION = re.compile(r'\(description (?:"((?:[^"\\]|\\.)*)"|([^)]*))\)')
 def _read_webquestions_json(path: str) -> Iterator[tuple[str, str, list[str]]]:
   """The official WebQuestions file: a JSON array of {"url", "targetValue", "utterance"}."""
   try:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is fine
       data = json.load(f)
   except FileNotFoundError:
     raise FileNotFoundError(f"Question file {path} does not exist.") from None
