@@ -153,6 +153,26 @@ def test_bad_counts_are_refused_before_anything_runs(tmp_path, key, value, error
   assert not os.path.exists(tmp_path / "w")
 
 
+@pytest.mark.parametrize("key,value,error", [
+    ("reader_weights", "/nowhere/reader", r"config.reader_weights='/nowhere/reader' is not a "
+                                          "directory"),
+    ("data.local_dir", "/nowhere/nq", r"folder /nowhere/nq does not exist"),
+    ("retrieval.index.searcher", "faiss", r"searcher='faiss': use one of"),
+])
+def test_a_config_refused_for_a_typo_does_not_claim_the_workdir(tmp_path, key, value, error):
+  """Weights, question files and index settings are checked before config.json is written, so
+  the corrected command is not refused as 'a run made with another config'."""
+  c = tiny_config()
+  *sections, name = key.split(".")
+  target = c
+  for section in sections:
+    target = target[section]
+  setattr(target, name, value)
+  with pytest.raises((ValueError, FileNotFoundError), match=error):
+    finetune.QaTrainer(c, str(tmp_path / "w"))
+  assert not os.path.exists(tmp_path / "w" / "config.json")
+
+
 def test_reader_waits_for_the_retriever_steps():
   """qa_optimizer: during the retriever-only steps the reader does not move at all (lr 0, no
   decay); then it does. The question tower moves from the first step."""

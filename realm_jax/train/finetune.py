@@ -34,13 +34,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from realm_jax.checkpoints import detect_kind, from_hf_state_dict, load_minilm, read_state_dict
+from realm_jax.data.corpus import CorpusConfig
 from realm_jax.data.qa import load_questions, split_by_hash
 from realm_jax.data.qa_batches import QaBatcher
 from realm_jax.eval.open_qa import OpenQa, check_ks, evaluate_open_qa
 from realm_jax.io_utils import as_path, read_json
 from realm_jax.models import RealmConfig, RealmReader
 from realm_jax.retrieval import build
-from realm_jax.retrieval.index import latest_index_dir
+from realm_jax.retrieval.index import index_options, latest_index_dir
 from realm_jax.train import checkpoints, optimizer
 from realm_jax.train.init import overlay
 from realm_jax.train.metrics_writer import MetricsWriter
@@ -136,12 +137,13 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(read_json(path))
 
 
-def open_index(config, workdir: str, build_missing: bool = True):
+def open_index(config, workdir: str, build_missing: bool = True, towers=None):
   """(corpus, index, towers): the index published in `workdir`, built first if it is not there
-  (else, with build_missing=False, a FileNotFoundError that says how to build it)."""
+  (else, with build_missing=False, a FileNotFoundError that says how to build it). `towers`:
+  already loaded `build.towers_of(config.retrieval)`."""
   if not build_missing:
     check_index(workdir)
-  towers = build.towers_of(config.retrieval)
+  towers = towers or build.towers_of(config.retrieval)
   if latest_index_dir(os.path.join(workdir, "index")) is None:
     corpus, index, _ = build.build_index(config.retrieval, workdir, towers)
   else:
@@ -164,13 +166,16 @@ def table_by_row(corpus, index) -> np.ndarray:
 class QaSetup:
   """What fine-tuning, evaluation and ask share: corpus, index, models, batcher, parameters."""
 
-  def __init__(self, config, workdir: str, build_missing: bool = True):
+  def __init__(self, config, workdir: str, build_missing: bool = True, towers=None,
+               reader=None):
+    """`towers` / `reader`: already loaded `build.towers_of(config.retrieval)` /
+    `load_reader(config)`."""
     self.config, self.workdir = config, workdir
-    self.corpus, self.index, towers = open_index(config, workdir, build_missing)
+    self.corpus, self.index, towers = open_index(config, workdir, build_missing, towers)
     query = towers["query"]
     if query.module is None:
       raise ValueError("The retrieval weights give no trainable question tower.")
-    reader, reader_params, vocab = load_reader(config)
+    reader, reader_params, vocab = reader or load_reader(config)
     if open(vocab, encoding="utf-8").read() != open(query.tokenizer.vocab_file,
                                                     encoding="utf-8").read():
       raise ValueError(f"The reader's vocabulary {vocab} differs from the retriever's "
@@ -266,15 +271,22 @@ class QaTrainer:
     if config.reader_blocks > config.beam:
       raise ValueError(f"config.reader_blocks={config.reader_blocks} is more than "
                        f"config.beam={config.beam}: the read blocks are the beam's first ones.")
+    # The questions, the weights, the corpus files and the index settings are checked before
+    # config.json is written: a config refused for a typo must not become the workdir's.
+    self.splits = split_questions(config)
+    index_options(config.retrieval.index)
+    towers = build.towers_of(config.retrieval)
+    reader = load_reader(config)
+    _ = CorpusConfig.from_config(config.retrieval.corpus,
+                                 towers["document"].tokenizer.vocab_file).fingerprint
     as_path(workdir).mkdir(parents=True, exist_ok=True)
     check_workdir_config(config, workdir, _FIXED)
     self.config, self.workdir = config, workdir
-    self.setup = QaSetup(config, workdir)
+    self.setup = QaSetup(config, workdir, towers=towers, reader=reader)
     if config.beam > len(self.setup.corpus):
       raise ValueError(f"config.beam={config.beam} is more than the {len(self.setup.corpus)} "
                        "blocks of the corpus.")
     check_ks(config.ks, len(self.setup.corpus))  # now, not at the first dev evaluation
-    self.splits = split_questions(config)
     logging.info("Questions: %s", {k: len(v) for k, v in self.splits.items()})
     self.mesh = Mesh(np.array(jax.devices()), ("data",))
     self.replicated = NamedSharding(self.mesh, P())
