@@ -15,6 +15,7 @@ import io
 import json
 import os
 import struct
+import time
 
 import chex
 import fsspec
@@ -301,6 +302,27 @@ def test_metrics_writer_rewrites_instead_of_appending_and_resumes(gcs):
   rows = [row for _, row in io_utils.iter_jsonl(f"{workdir}/metrics.jsonl")]
   assert rows == [{"step": 1, "split": "train", "loss": 2.0},
                   {"step": 2, "split": "train", "loss": 1.25}]
+
+
+def test_tensorboard_hides_the_events_a_resumed_run_logs_again(tmp_path):
+  """Read back by TensorBoard itself: after resume_at(1), the stopped run's events of steps 2-3
+  are hidden and step 2 shows this run's value."""
+  accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+  from realm_jax.train.metrics_writer import MetricsWriter
+  first = MetricsWriter(str(tmp_path))
+  for step, loss in ((1, 2.0), (2, 1.5), (3, 1.2)):
+    first.write(step, {"loss": loss}, "train")
+  first.close()
+  # TensorBoard reads event files in name order, and names hold the second they were made in (a
+  # resumed process starts seconds later at least).
+  time.sleep(1.1)
+  again = MetricsWriter(str(tmp_path))
+  again.resume_at(1)
+  again.write(2, {"loss": 1.25}, "train")
+  again.close()
+  events = accumulator.EventAccumulator(str(tmp_path / "tb"))
+  events.Reload()
+  assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.0), (2, 1.25)]
 
 
 def test_plot_reads_and_writes_gs(gcs):

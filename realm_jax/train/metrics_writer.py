@@ -49,7 +49,9 @@ class _ObjectRecordFactory:
     del path  # an object store has no directories to create
 
 
-def _summary_writer(logdir: str):
+def _summary_writer(logdir: str, purge_step: int | None = None):
+  """tensorboardX's writer; `purge_step`: TensorBoard hides the events of earlier files from that
+  step on (those of a run that stopped after its last checkpoint)."""
   from tensorboardX import SummaryWriter
   if logdir.startswith("gs://"):
     from tensorboardX import record_writer
@@ -58,7 +60,7 @@ def _summary_writer(logdir: str):
     record_writer.register_writer_factory("gs", _ObjectRecordFactory())
   # Event files are named by the second and the host: a random suffix keeps a writer started
   # within the same second from replacing the file of the one before.
-  return SummaryWriter(logdir, filename_suffix=f".{uuid.uuid4().hex[:8]}")
+  return SummaryWriter(logdir, filename_suffix=f".{uuid.uuid4().hex[:8]}", purge_step=purge_step)
 
 
 class MetricsWriter:
@@ -73,14 +75,16 @@ class MetricsWriter:
 
   def resume_at(self, step: int) -> None:
     """The run resumed from `step`'s checkpoint: rows of later steps in metrics.jsonl were logged
-    by a run that stopped before checkpointing them, and go (this run logs those steps again)."""
+    by a run that stopped before checkpointing them, and go (this run logs those steps again);
+    TensorBoard is told to hide their events."""
     self._resumed_at = int(step)
 
   def write(self, step: int, metrics: dict[str, float], split: str) -> None:
     """Adds `metrics` of `step` as TensorBoard scalars `split/name` and one line of
     metrics.jsonl: {"step": step, "split": split, **metrics}."""
     if self._tb is None:
-      self._tb = _summary_writer(self.logdir)
+      self._tb = _summary_writer(
+          self.logdir, None if self._resumed_at is None else self._resumed_at + 1)
     for k, v in metrics.items():
       self._tb.add_scalar(f"{split}/{k}", v, step)
     self._tb.flush()
