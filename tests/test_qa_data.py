@@ -134,6 +134,21 @@ def test_official_config_reads_the_downloaded_files(tmp_path):
   assert [ex["answers"] for _, ex in generators["train"]][0] == ["Jazmyn Bieber", "Jaxon Bieber"]
 
 
+class OfflineDownloads:
+  """A download manager without network access, failing as requests does."""
+
+  def download_and_extract(self, urls):
+    import requests
+    raise requests.exceptions.ConnectionError("Failed to resolve 'dl.fbaipublicfiles.com'")
+
+
+def test_a_failed_download_says_how_to_go_on_offline(tmp_path):
+  with pytest.raises(OSError, match=r"curated_trec: could not download https://dl.fbaipublicfiles"
+                                    r".com/drqa/CuratedTrec.tar.gz \(Failed to resolve .*pass "
+                                    r"their folder as local_dir \(config.data.local_dir"):
+    CuratedTrec(data_dir=str(tmp_path / "data"))._split_generators(OfflineDownloads())
+
+
 def test_missing_folder_file_and_unknown_names(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"nq_open: folder .*nope does not exist.*"
                                               r"NQ-open\.dev\.jsonl"):

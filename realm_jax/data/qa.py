@@ -209,8 +209,14 @@ class _QaBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     if self._local_dir is not None:
       found = self._found
     else:
-      downloaded = dl_manager.download_and_extract(
-          {split: files[0].url for split, files in self.SPLITS.items()})
+      urls = {split: files[0].url for split, files in self.SPLITS.items()}
+      try:
+        downloaded = dl_manager.download_and_extract(urls)
+      except OSError as e:  # requests' errors are OSErrors too
+        raise OSError(
+            f"{self.name}: could not download {', '.join(sorted(set(urls.values())))} ({e}). "
+            "Without network access, fetch the file(s) elsewhere (extracting archives) and pass "
+            "their folder as local_dir (config.data.local_dir, evaluate.py --dataset_dir).") from e
       found = {split: (_file_in(str(downloaded[split]), files[0].name), files[0])
                for split, files in self.SPLITS.items()}
     return {split: self._generate_examples(path, qa_file)
