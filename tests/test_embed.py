@@ -158,3 +158,27 @@ def test_orbax_checkpoint_as_weights_says_what_to_pass(tmp_path):
         f"{workdir}\\).*experiments/ict.py.* pass {workdir}/export. Pre-training and fine-tuning "
         "checkpoints cannot be used directly")):
       load_towers(str(weights))
+
+
+def test_resume_deletes_the_shard_a_killed_run_was_writing(setup, tmp_path):
+  """A run killed while writing shard 1 leaves its temporary file (".tmp-shard-..."): the resumed
+  run embeds that shard again, ends with the uninterrupted result and leaves no temporary file."""
+  from realm_jax.data.corpus import Corpus, CorpusConfig
+  from realm_jax.retrieval.embed import embed_corpus
+  from realm_jax.text import BertTokenizer
+  corpus = Corpus.build(str(tmp_path / "data"), CorpusConfig(
+      source="jsonl", paths=(str(setup / "docs.jsonl"),), vocab_file=str(setup / "vocab.txt")))
+  tok = BertTokenizer(str(setup / "vocab.txt"))
+  # Row i's embedding: its length and first ids, so a shard put at the wrong rows would show.
+  embed = lambda b: np.stack([b["attention_mask"].sum(-1), b["input_ids"][:, 1],
+                              b["input_ids"][:, 2]], -1).astype(np.float32)
+  full = embed_corpus(corpus, embed, tok, str(tmp_path / "full"), 48, shard_size=8,
+                      fingerprint="f")
+  out = tmp_path / "killed"
+  embed_corpus(corpus, embed, tok, str(out), 48, shard_size=8, fingerprint="f")
+  (out / "shard-00001-of-00004.safetensors").unlink()
+  (out / ".tmp-shard-00001-of-00004.safetensorsk1ll3d").write_bytes(b"half a shard")
+  np.testing.assert_array_equal(
+      embed_corpus(corpus, embed, tok, str(out), 48, shard_size=8, fingerprint="f"), full)
+  assert sorted(os.listdir(out)) == ["embedding.json"] + [
+      f"shard-{s:05d}-of-00004.safetensors" for s in range(4)]

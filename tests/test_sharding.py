@@ -51,3 +51,29 @@ def test_sharded_encoder_bf16_runs_and_is_close_to_f32(mesh):
   assert outs["bfloat16"].dtype == np.float32  # logits come back in float32
   assert jax.tree.leaves(params)[0].dtype == np.float32
   np.testing.assert_allclose(outs["bfloat16"], outs["float32"], atol=0.1)
+
+
+@pytest.mark.parametrize("pooling,dim", [("projected_cls", 16), ("mean", 32)])
+def test_memory_estimate_index_shard_has_the_embedding_width(pooling, dim):
+  """The index shard per device is rows / devices x the width the document tower really embeds
+  to: retriever_proj_size with REALM's projected [CLS], hidden_size with mean pooling (the tiny
+  config's random models: 16 and 32)."""
+  import jax.numpy as jnp
+
+  from realm_jax.configs import pretrain as pretrain_configs
+  from realm_jax.train import memory
+  from realm_jax.train.init import make_models
+  config = pretrain_configs.get_config("tiny")
+  config.pooling = pooling
+  mc = memory.model_config(config)
+  retriever = make_models(config, mc).retriever
+  ids = jnp.zeros((2, 8), jnp.int32)
+  params = jax.eval_shape(lambda: retriever.init(
+      jax.random.key(0), dict(input_ids=ids, attention_mask=ids, token_type_ids=ids),
+      dict(input_ids=ids[:, None], attention_mask=ids[:, None], token_type_ids=ids[:, None])))
+  docs = jax.eval_shape(lambda p: retriever.apply(p, ids, ids, ids, method="embed_documents"),
+                        params)
+  assert docs.shape == (2, dim)  # what the index will hold, from the models themselves
+  est = memory.estimate(config, devices=8, index_rows=1000, mc=mc)
+  assert est["dim"] == dim
+  assert est["parts"]["index shard"] == 125 * dim * 4  # 1000 / 8 float32 rows

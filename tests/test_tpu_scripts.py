@@ -269,6 +269,29 @@ def test_data_stages_a_corpus(tmp_path):
                                      f"--corpus={tmp_path / 'empty'}")
 
 
+def test_data_prints_next_commands_that_paste_with_spaces(tmp_path):
+  """The `next:` lines of data.sh are commands to paste: a work directory or corpus file with a
+  space survives as one argument, through launch.sh into the trainer's flags."""
+  corpus = tmp_path / "my docs.jsonl"
+  corpus.write_text('{"title": "A", "text": "a"}\n')
+  workdir = "gs://my-bucket/my run"
+  commands, notes = dry_run("data.sh", "--name=realm", f"--workdir={workdir}", f"--corpus={corpus}")
+  assert commands == [["gcloud", "storage", "cp", str(corpus), f"{workdir}/corpus/my docs.jsonl"]]
+  (launch,) = [line.removeprefix("# next: ") for line in notes.splitlines() if "next:" in line]
+  argv = shlex.split(launch)
+  assert argv == ["tpu/launch.sh", "--name=realm", f"--workdir={workdir}", "--",
+                  "--config.corpus.source=jsonl",
+                  f"--config.corpus.paths=('{workdir}/corpus/my docs.jsonl',)"]
+  (ssh,), _ = dry_run(argv[0].removeprefix("tpu/"), *argv[1:])
+  assert python_argv(remote_command(ssh))[2:] == [
+      f"--workdir={workdir}", "--config.distributed=True", *argv[4:]]
+
+
+def test_data_names_a_bad_bucket_flag():
+  err = fails("data.sh", "--name=realm", "--bucket=My_Bucket")
+  assert "--bucket=My_Bucket: a bucket name is 3-63 lowercase letters" in err
+
+
 def test_scripts_pass_shellcheck():
   shellcheck = Path(sys.executable).parent / "shellcheck"
   if not shellcheck.exists():

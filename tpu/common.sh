@@ -133,10 +133,14 @@ check_name() {
     die "--name=$NAME: use lowercase letters, digits and hyphens, starting with a letter (at most 63)."
 }
 
+# GCS bucket names: 3-63 lowercase letters, digits, '-', '_' and '.', starting and ending with a
+# letter or digit.
+BUCKET_NAME='[a-z0-9][-_.a-z0-9]{1,61}[a-z0-9]'
+
 # Checks WORKDIR (launch.sh, refresher.sh, data.sh): every worker must reach it, so it is in GCS.
 check_workdir() {
   WORKDIR=${WORKDIR%/}
-  [[ $WORKDIR =~ ^gs://[a-z0-9][-_.a-z0-9]{1,61}[a-z0-9](/.+)?$ ]] ||
+  [[ $WORKDIR =~ ^gs://$BUCKET_NAME(/.+)?$ ]] ||
     die "--workdir=$WORKDIR: every worker must reach it, so give a gs://BUCKET/PATH (tpu/data.sh prints one)."
 }
 

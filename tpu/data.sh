@@ -32,6 +32,8 @@ elif [[ -n $BUCKET ]]; then
   BUCKET=${BUCKET#gs://}
   BUCKET=${BUCKET%/}
   [[ $BUCKET != */* ]] || die "--bucket=$BUCKET: give the bucket's name only; for a path, use --workdir."
+  [[ $BUCKET =~ ^$BUCKET_NAME$ ]] ||
+    die "--bucket=$BUCKET: a bucket name is 3-63 lowercase letters, digits, '-', '_' or '.'."
   WORKDIR="gs://$BUCKET/realm_jax/$NAME"
 elif [[ -z $WORKDIR ]]; then
   die "missing required flag: --bucket or --workdir (see --help)."
@@ -61,7 +63,7 @@ else
 fi
 
 note "workdir: $WORKDIR"
-args="--workdir=$WORKDIR"
+args=$(quote "--workdir=$WORKDIR")  # printed to be pasted: quoted like the commands
 if [[ -n $paths ]]; then
   args+=" -- --config.corpus.source=jsonl $(quote "--config.corpus.paths=('$paths',)")"
 fi

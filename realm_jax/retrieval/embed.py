@@ -197,8 +197,12 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
   shard_name = lambda s: f"shard-{s:05d}-of-{num_shards:05d}.safetensors"
   shard_path = lambda s: os.path.join(out_dir, shard_name(s))
   # One listing, not one request per shard (thousands for a big corpus in gs://). The directory
-  # exists: embedding.json is in it. Temporary files (".tmp-shard-...") do not match a shard name.
+  # exists: embedding.json is in it. Temporary files (".tmp-shard-...") do not match a shard name;
+  # those a killed run left (a shard it was writing) are deleted: that shard is embedded again.
   present = {p.name for p in as_path(out_dir).iterdir()}
+  for name in present:
+    if name.startswith(".tmp-shard-"):
+      (as_path(out_dir) / name).unlink(missing_ok=True)
   todo = [s for s in range(num_shards) if shard_name(s) not in present]
   done_rows = n - sum(min(n, (s + 1) * shard_size) - s * shard_size for s in todo)
   if done_rows:

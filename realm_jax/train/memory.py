@@ -83,7 +83,7 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
   p = sum(counts.values())
   b = -(-config.batch_size // devices)  # examples per device
   k, act = config.num_candidates, 2 if config.dtype == "bfloat16" else 4
-  from realm_jax.train.init import retriever_model_config
+  from realm_jax.train.init import make_models, retriever_model_config
   rc = retriever_model_config(config, mc)  # the retriever may keep fewer layers
   activations = (
       _bert_activations(b * config.query_length, config.query_length, rc, act)
@@ -91,7 +91,9 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
       + _bert_activations(b * k * config.joint_length, config.joint_length, mc, act)
       + 2 * b * k * config.max_masked * mc.vocab_size * 4)
   shard_rows = -(-index_rows // devices)
-  dim = mc.hidden_size if config.init == "minilm" else mc.retriever_proj_size
+  # Mean pooling (MiniLM, or config.pooling="mean" of random models) embeds to the hidden size.
+  mean = make_models(config, mc).retriever.pooling == "mean"
+  dim = mc.hidden_size if mean else mc.retriever_proj_size
   index_bytes = 2 if config.index.dtype == "bfloat16" else 4
   on_device = config.index.searcher != "scann"  # ScaNN keeps the index in host memory
   parts = {
