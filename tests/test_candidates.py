@@ -54,3 +54,19 @@ def test_span_found_ignores_the_null_document_and_missing_candidates():
   builder = CandidateBuilder(corpus, CLS, SEP, num_candidates=3, doc_length=8, joint_length=12)
   batch = builder.build(_queries(), np.array([[-1, -1], [0, -1]]))
   np.testing.assert_array_equal(batch["span_found"], [0.0, 1.0])
+
+
+def test_a_title_longer_than_the_document_is_cut_as_ict_cuts_it():
+  """A title of doc_length - 2 or more word pieces (a corpus built with a longer block_length, or
+  blocking='article') is cut to doc_length - 3, the body then empty: `[CLS] title [SEP] [SEP]`."""
+  title = list(range(10, 22))                                      # 12 > doc_length
+  corpus = _Corpus({0: (title, [7, 8]), 1: (title[:6], [7, 8])})  # 6 = doc_length - 2
+  builder = CandidateBuilder(corpus, CLS, SEP, num_candidates=3, doc_length=8, joint_length=12)
+  batch = builder.build(_queries(), np.array([[0, 1], [1, -1]]))
+  docs = batch["candidates"]
+  np.testing.assert_array_equal(docs["input_ids"][0, 1], [CLS, 10, 11, 12, 13, 14, SEP, SEP])
+  np.testing.assert_array_equal(docs["token_type_ids"][0, 1], [0, 0, 0, 0, 0, 0, 0, 1])
+  np.testing.assert_array_equal(docs["input_ids"][0, 2], [CLS, 10, 11, 12, 13, 14, SEP, SEP])
+  np.testing.assert_array_equal(docs["attention_mask"][1, 1], np.ones(8))
+  np.testing.assert_array_equal(batch["joint"]["input_ids"][0, 1, :7],
+                                [CLS, 5, MASK, MASK, SEP, 7, 8])

@@ -27,6 +27,9 @@ def test_config_reads_hf_json_and_refuses_bad_values(tmp_path):
     RealmConfig.from_json_file(tmp_path / "bad.json")
   with pytest.raises(FileNotFoundError, match="missing.json does not exist"):
     RealmConfig.from_json_file(tmp_path / "missing.json")
+  assert RealmConfig.from_dict({"position_embedding_type": "absolute"}) == RealmConfig()
+  with pytest.raises(ValueError, match="position_embedding_type='relative_key' is not supported"):
+    RealmConfig.from_dict({"position_embedding_type": "relative_key"})
 
 
 def test_span_candidates_by_hand():

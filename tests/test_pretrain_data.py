@@ -252,3 +252,23 @@ def test_pipeline_errors_are_clear(setup, regex_examples, tmp_path):
     _batches(out, tok, batch_size=100_000)
   with pytest.raises(ValueError, match="built with query_length=32"):
     _batches(out, tok, query_length=64)
+
+
+def test_spacy_entities_never_cut_a_regex_date(monkeypatch):
+  """A spaCy entity that straddles a regex date's edge ("BC Caesar" across "44 BC") gives way to
+  the date; one inside a date goes, one around a date stays (a fake pipeline supplies them)."""
+  from types import SimpleNamespace as NS
+
+  def pipe(sentences, batch_size):
+    del batch_size
+    for sent in sentences:
+      ents = [NS(label_=lab, start_char=sent.index(t), end_char=sent.index(t) + len(t))
+              for t, lab in (("BC Caesar", "ORG"), ("the 4 July 1990 Cup", "EVENT"), ("AD", "ORG"))
+              if t in sent]
+      yield NS(ents=ents)
+
+  monkeypatch.setattr(pretrain, "_spacy_nlp", lambda: NS(pipe=pipe))
+  texts = ["In 44 BC Caesar died.", "He won the 4 July 1990 Cup in AD 79."]
+  got = [[(t[s:e], lab) for s, e, lab in spans]
+         for t, spans in zip(texts, salient_spans(texts, "spacy"))]
+  assert got == [[("44 BC", "DATE")], [("4 July 1990 Cup", "EVENT"), ("AD 79", "DATE")]]

@@ -468,3 +468,47 @@ def test_a_smaller_retriever_loads_the_first_layers_of_hf_weights(tmp_path):
   assert got.keys() == want.keys()
   for key in want:
     np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_a_bert_encoder_keeps_its_pretrained_mlm_head(tmp_path):
+  """config.init='hf' with a HF BertForPreTraining (bert-base-uncased's layout) as encoder_weights:
+  the encoder's MLM logits are HF's `prediction_logits`, head included; an identity head would
+  overwrite it and is refused."""
+  import os
+  import torch
+  from transformers import BertConfig, BertForPreTraining
+  from realm_jax.checkpoints import save_hf_checkpoint
+  from realm_jax.checkpoints.hf import abstract_params
+  from realm_jax.checkpoints.minilm import minilm_dir
+  from realm_jax.configs.pretrain import get_config
+  from realm_jax.train.init import build_models, init_params
+  config = get_config("tiny")
+  config.init = "hf"
+  config.retriever_weights, config.encoder_weights = str(tmp_path / "r"), str(tmp_path / "e")
+  config.vocab_file = os.path.join(minilm_dir(), "vocab.txt")
+  model_config = RealmConfig(**dict(config.model))
+  save_hf_checkpoint(config.retriever_weights, model_config, jax.tree.map(
+      lambda s: np.zeros(s.shape, np.float32), abstract_params("retriever", model_config)),
+                     "retriever")
+  c = model_config
+  torch.manual_seed(0)
+  bert = perturbed(BertForPreTraining(BertConfig(
+      vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+      num_attention_heads=c.num_attention_heads, intermediate_size=c.intermediate_size,
+      max_position_embeddings=c.max_position_embeddings, hidden_act=c.hidden_act)))
+  bert.save_pretrained(config.encoder_weights, safe_serialization=True)
+  models, got_config, _ = build_models(config)
+  params = init_params(config, models, got_config, jax.random.key(0))
+
+  ids, mask, types = random_inputs(np.random.default_rng(0), (3,), 12, c.vocab_size, min_len=6)
+  logits = models.encoder.apply({"params": params["encoder"]}, *(jnp.asarray(a[:, None])
+                                                                  for a in (ids, mask, types)))
+  with torch.no_grad():
+    want = bert(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                token_type_ids=torch.from_numpy(types)).prediction_logits.numpy()
+  real = mask.astype(bool)
+  np.testing.assert_allclose(np.asarray(logits)[:, 0][real], want[real], rtol=1e-4, atol=1e-4)
+
+  config.mlm_transform_init = "identity"
+  with pytest.raises(ValueError, match="would overwrite the MLM head of .*e; keep the default"):
+    init_params(config, models, got_config, jax.random.key(0))

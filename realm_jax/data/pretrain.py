@@ -185,10 +185,12 @@ def salient_spans(sentences: Sequence[str], tagger: str = "auto") -> list[list[S
         ents.append((s, e, ent.label_))
       elif _ABSOLUTE_DATE.search(sent, s, e):
         dates.append((s, e, "DATE"))
-    # Names win over dates inside them ("the 2008 Summer Olympics"), but not entities inside a
-    # regex date (spaCy's ORG "BC" in "44 BC"); regex dates are exact, so they win over spaCy's.
+    # Names win over dates inside them ("the 2008 Summer Olympics"), but not over a regex date
+    # they only overlap (spaCy's ORG "BC" in "44 BC", or "BC Caesar" across its end); regex
+    # dates are exact, so they win over spaCy's.
     regex = regex_dates(sent)
-    ents = [x for x in ents if not any(ds <= x[0] and x[1] <= de for ds, de, _ in regex)]
+    ents = [x for x in ents
+            if all(x[1] <= ds or de <= x[0] or (x[0] <= ds and de <= x[1]) for ds, de, _ in regex)]
     out.append(_merge(ents + regex + dates))
   return out
 

@@ -91,11 +91,17 @@ class RealmConfig:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "RealmConfig":
-    """Reads a HF `config.json` dict (REALM or BERT); unknown keys are ignored.
+    """Reads a HF `config.json` dict (REALM or BERT); unknown keys are ignored, except a
+    `position_embedding_type` other than "absolute", which is refused.
 
     The compute `dtype`, `remat` and `chunk_tokens` are run-time choices, not properties of a
     checkpoint, so saved entries of those names are ignored too.
     """
+    position = d.get("position_embedding_type") or "absolute"
+    if position != "absolute":  # HF keeps relative ones in parameters this BERT would drop
+      raise ValueError(
+          f"position_embedding_type={position!r} is not supported: realm_jax's BERT has absolute "
+          "position embeddings only. Use a checkpoint with absolute ones (BERT, REALM, MiniLM).")
     names = {f.name for f in dataclasses.fields(cls)} - set(RUN_TIME_FIELDS)
     return cls(**{k: v for k, v in d.items() if k in names})
 

@@ -51,6 +51,9 @@ class CandidateBuilder:
                joint_length: int):
     if num_candidates < 1:
       raise ValueError(f"num_candidates={num_candidates}: need at least 1 (the null document).")
+    if doc_length < 3:
+      raise ValueError(f"doc_length={doc_length}: need at least 3, for [CLS] title [SEP] body "
+                       "[SEP].")
     self.corpus, self.cls, self.sep = corpus, cls_id, sep_id
     self.k, self.doc_length, self.joint_length = num_candidates, doc_length, joint_length
     self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -68,11 +71,11 @@ class CandidateBuilder:
     return got[0].tolist(), got[1].tolist()
 
   def _doc(self, title, body):
-    """[CLS] title [SEP] body [SEP] cut to doc_length (the body is cut; an empty block is the null
-    document [CLS] [SEP] [SEP])."""
-    head = [self.cls] + title + [self.sep]
+    """[CLS] title [SEP] body [SEP] cut to doc_length (the body first, then a title longer than
+    doc_length - 3, as ICT cuts it; an empty block is the null document [CLS] [SEP] [SEP])."""
+    head = [self.cls] + title[:max(0, self.doc_length - 3)] + [self.sep]
     body = body[:max(0, self.doc_length - len(head) - 1)]
-    ids = (head + body + [self.sep])[:self.doc_length]
+    ids = head + body + [self.sep]
     return ids, [0] * len(head) + [1] * (len(ids) - len(head))
 
   def build(self, queries: dict[str, np.ndarray], rows: np.ndarray) -> dict:

@@ -8,7 +8,8 @@ config.init:
           identity, for any new head).
   hf      config.retriever_weights: a HF REALM embedder/scorer directory (REALM's projected [CLS]),
           e.g. the output of experiments/ict.py; config.encoder_weights: a HF REALM
-          knowledge-augmented encoder or a BERT directory (a BERT gets a fresh MLM head).
+          knowledge-augmented encoder or a BERT directory (a BERT keeps its MLM head, as
+          bert-base-uncased's BertForPreTraining has one; one without gets a new head).
   random  random weights of config.model (tests; the tiny config).
 """
 
@@ -23,7 +24,8 @@ import numpy as np
 from flax import traverse_util
 
 from realm_jax.checkpoints.minilm import load_minilm, minilm_dir
-from realm_jax.checkpoints.hf import CheckpointError, detect_kind, load_hf_checkpoint, read_state_dict
+from realm_jax.checkpoints.hf import (CheckpointError, detect_kind, hf_key, load_hf_checkpoint,
+                                      read_state_dict)
 from realm_jax.io_utils import as_path
 from realm_jax.models.config import RealmConfig
 from realm_jax.models.encoder import KnowledgeAugEncoder
@@ -33,6 +35,7 @@ from realm_jax.train.realm_step import RealmModels
 
 INITS = ("minilm", "hf", "random")
 MLM_TRANSFORM_INITS = ("random", "identity")  # the dense layer of a new MLM head
+_MLM_HEAD = "cls.predictions."  # the MLM head's keys in a HF BERT checkpoint
 
 
 def overlay(base: dict, loaded: dict, what: str) -> dict:
@@ -160,14 +163,43 @@ def identity_mlm_transform(encoder_params: dict) -> dict:
   return traverse_util.unflatten_dict(flat)
 
 
+def bert_mlm_head(encoder_params: dict, extras: dict, source: str) -> dict:
+  """The encoder's MLM head `{"cls": ...}` from the `cls.predictions.*` entries of a BERT
+  checkpoint (HF BertForPreTraining / BertForMaskedLM, e.g. bert-base-uncased: REALM's head, same
+  names, decoder tied to the word embeddings); {} when the checkpoint has no MLM head.
+
+  `encoder_params` gives the head's paths; `extras` are the entries a "bert" load left unused.
+  """
+  if not any(k.startswith(_MLM_HEAD) for k in extras):
+    return {}
+  flat = {}
+  for path in traverse_util.flatten_dict(encoder_params):
+    if path[0] != "cls":
+      continue
+    key, transpose = hf_key(path)
+    if key not in extras:
+      raise CheckpointError(f"{source} has an MLM head ({_MLM_HEAD}*) without {key!r}: pass a "
+                            "complete BertForPreTraining / BertForMaskedLM checkpoint, or a BERT "
+                            "without any MLM head (the encoder then starts with a new one).")
+    value = np.asarray(extras[key])
+    flat[path] = value.T if transpose else value
+  return traverse_util.unflatten_dict(flat)
+
+
 def init_params(config, models: RealmModels, model_config: RealmConfig, rng) -> dict:
-  """Starting weights {"retriever", "encoder"} (float32, on the host)."""
+  """Starting weights {"retriever", "encoder"} (float32, on the host).
+
+  With config.init='hf', a BERT `encoder_weights` that has an MLM head (bert-base-uncased's
+  BertForPreTraining) gives the encoder that head too; only a BERT without one gets a new head.
+  """
   head_init = config.get("mlm_transform_init", "random")
   if head_init not in MLM_TRANSFORM_INITS:
     raise ValueError(f"config.mlm_transform_init={head_init!r}: use one of {MLM_TRANSFORM_INITS}.")
   if config.init == "hf":
-    kind = detect_kind(read_state_dict(config.encoder_weights).keys())
-    if kind == "encoder" and head_init == "identity":
+    encoder_keys = read_state_dict(config.encoder_weights).keys()
+    kind = detect_kind(encoder_keys)
+    has_head = kind == "encoder" or any(k.startswith(_MLM_HEAD) for k in encoder_keys)
+    if has_head and head_init == "identity":
       raise ValueError(f"config.mlm_transform_init='identity' would overwrite the MLM head of "
                        f"{config.encoder_weights}; keep the default 'random' (only a new head "
                        "is initialised).")
@@ -192,10 +224,11 @@ def init_params(config, models: RealmModels, model_config: RealmConfig, rng) -> 
     if not config.share_embedders and "query_embedder" not in retr:
       retr["query_embedder"] = retr["embedder"]
     params["retriever"] = overlay(params["retriever"], retr, config.retriever_weights)
-    _, enc, _ = load_hf_checkpoint(config.encoder_weights, kind=kind, config=model_config,
-                                   strict=False)
-    params["encoder"] = overlay(params["encoder"], enc if kind == "encoder" else {"realm": enc},
-                                 config.encoder_weights)
+    _, enc, extras = load_hf_checkpoint(config.encoder_weights, kind=kind, config=model_config,
+                                        strict=False)
+    if kind != "encoder":  # a BERT: its MLM head, if it has one, is the encoder's
+      enc = {"realm": enc, **bert_mlm_head(params["encoder"], extras, config.encoder_weights)}
+    params["encoder"] = overlay(params["encoder"], enc, config.encoder_weights)
   if head_init == "identity":
     params["encoder"] = identity_mlm_transform(params["encoder"])
   return jax.tree.map(lambda x: np.asarray(x, np.float32), params)
