@@ -238,6 +238,28 @@ def test_a_second_build_of_the_same_corpus_waits_for_the_first(tmp_path, vocab_f
              for f, t in built.items())  # found, not built again
 
 
+def test_index_layout_of_a_title_longer_than_the_document_is_the_training_steps(tmp_path,
+                                                                                  vocab_file):
+  """A title of 9 word pieces in 8-piece documents: cut to 5, as CandidateBuilder (the layout the
+  pre-training step re-embeds) cuts it, instead of an error."""
+  from realm_jax.text import BertTokenizer
+  from realm_jax.train.candidates import CandidateBuilder
+  title = "paris is the capital of france it has a"
+  path = write_jsonl(tmp_path / "docs.jsonl", [{"title": title, "text": "Lyon is second."},
+                                               {"title": "Berlin", "text": "Berlin is big."}])
+  corpus = Corpus.build(str(tmp_path / "data"), CorpusConfig(source="jsonl", paths=(path,),
+                                                             vocab_file=vocab_file))
+  tok = BertTokenizer(vocab_file)
+  got = corpus.model_inputs([0, 1], 8, tok)
+  assert list(got["input_ids"][0]) == [tok.cls_id, *tok.encode(title)[:5], tok.sep_id, tok.sep_id]
+  builder = CandidateBuilder(corpus, tok.cls_id, tok.sep_id, 2, 8, 16)
+  for row in (0, 1):
+    ids, segments = builder._doc(*builder._block(row))
+    n = len(ids)
+    assert list(got["input_ids"][row][:n]) == ids and list(got["token_type_ids"][row][:n]) == (
+        segments) and got["attention_mask"][row].sum() == n
+
+
 def test_folder_of_jsonl_files_is_read_in_sorted_order(tmp_path):
   os.makedirs(tmp_path / "docs" / "sub")
   write_jsonl(tmp_path / "docs" / "b.jsonl", [{"title": "B", "text": "b"}])

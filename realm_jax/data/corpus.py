@@ -225,11 +225,13 @@ class Corpus:
                    truncate: str = "b") -> dict[str, np.ndarray]:
     """`[CLS] title [SEP] body [SEP]` as [R, L] arrays, also for a block without a title
     (`[CLS] [SEP] body [SEP]`, the body in segment 1): the layout the pre-training step gives the
-    document tower (`CandidateBuilder`), so that an index and the step's scores agree."""
+    document tower (`CandidateBuilder`), so that an index and the step's scores agree. With
+    truncate="b", as there, a title longer than max_length - 3 is cut too (then no body fits)."""
     pairs = []
+    keep = max(0, max_length - 3) if truncate == "b" else None
     for r in rows:
       ex = self._source[int(r)]
-      pairs.append((list(ex["title_token_ids"]), list(ex["token_ids"])))
+      pairs.append((list(ex["title_token_ids"])[:keep], list(ex["token_ids"])))
     return batch_join(pairs, max_length, tokenizer, truncate)
 
 
