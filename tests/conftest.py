@@ -43,6 +43,17 @@ def hf_realm_config(**overrides):
   return HFRealmConfig(**{**TINY_HF, **overrides})
 
 
+@pytest.fixture(autouse=True)
+def _seed_torch():
+  """HF models draw their initial weights from torch's global generator: it is seeded before each
+  test, so no test depends on what the tests before it drew (a fresh clone once failed a check
+  that passed in the development tree)."""
+  import sys
+  torch = sys.modules.get("torch")  # not imported here: most tests never need it
+  if torch is not None:
+    torch.manual_seed(0)
+
+
 def perturbed(model, seed=0, scale=0.2):
   """Moves every weight away from its init (so a wrong transpose or a swapped LayerNorm shows)."""
   import torch
