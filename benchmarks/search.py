@@ -65,6 +65,11 @@ def timed(search, queries, repeats):
   return best, found
 
 
+def recall_at_k(found, truth) -> float:
+  """Mean fraction of each query's true top k (rows of `truth`) among its found rows."""
+  return float(np.mean([len(set(f) & set(t)) / len(t) for f, t in zip(found, truth)]))
+
+
 def positive_ints(parser, flag: str, value: str, example: str) -> list[int]:
   """A comma-separated list of positive whole numbers, or a parser error naming --flag."""
   try:
@@ -151,7 +156,7 @@ def main():
     index = DocIndex(emb, ids, query_batch_size=args.query_batch_size, **options)
     build = time.perf_counter() - start
     seconds, found = timed(lambda q: index.search(q, args.k)[1], queries, args.repeats)
-    recall = np.mean([len(set(f) & set(t)) / args.k for f, t in zip(found, truth)])
+    recall = recall_at_k(found, truth)
     if options["searcher"] == "scann":
       settings = index.scann_settings
       tree = (f"{settings['num_leaves']} leaves, {settings['num_leaves_to_search']} searched"
@@ -173,7 +178,7 @@ def main():
       seconds, found = timed(lambda q: searcher.search_batched_parallel(
           q, batch_size=-(-len(q) // (os.cpu_count() or 1)))[0],  # as DocIndex does
                              queries, args.repeats)
-      recall = np.mean([len(set(f) & set(t)) / args.k for f, t in zip(found, truth)])
+      recall = recall_at_k(found, truth)
       rows.append((f"ScaNN hashing alone (no tree, {dims} dims per code, no re-ordering)", build,
                    seconds, recall))
 

@@ -107,7 +107,8 @@ class RealmBlocks(tfds.core.GeneratorBasedBuilder):
   def __init__(self, *, corpus_config: CorpusConfig, **kwargs):
     self._corpus_config = corpus_config
     self._tokenizer = None
-    config = tfds.core.BuilderConfig(name=f"{corpus_config.source}_{corpus_config.fingerprint}",
+    self.fingerprint = corpus_config.fingerprint  # of the files as they were when it was made
+    config = tfds.core.BuilderConfig(name=f"{corpus_config.source}_{self.fingerprint}",
                                      description=repr(corpus_config))
     super().__init__(config=config, file_format="array_record", **kwargs)
 
@@ -155,8 +156,12 @@ class RealmBlocks(tfds.core.GeneratorBasedBuilder):
 class Corpus:
   """Random access to the blocks of a built corpus, by row or by block id."""
 
-  def __init__(self, source, block_ids: np.ndarray, config: CorpusConfig, data_dir: str):
+  def __init__(self, source, block_ids: np.ndarray, config: CorpusConfig, data_dir: str,
+               fingerprint: str):
+    """`fingerprint`: the config's when the blocks were built (it reads the source files' sizes
+    and times once, not at each use)."""
     self._source = source
+    self.fingerprint = fingerprint
     self.block_ids = block_ids                      # [N] int64, by row
     self._order = np.argsort(block_ids, kind="stable")
     self._sorted = block_ids[self._order]
@@ -189,11 +194,7 @@ class Corpus:
       io_utils.upload_dir(builder.data_dir, remote, marker=_MARKER)
     logging.info("Corpus %s: %d blocks in %s", builder.builder_config.name, len(ids),
                  builder.data_dir)
-    return cls(source, ids, config, builder.data_dir)
-
-  @property
-  def fingerprint(self) -> str:
-    return self.config.fingerprint
+    return cls(source, ids, config, builder.data_dir, builder.fingerprint)
 
   def __len__(self) -> int:
     return len(self.block_ids)

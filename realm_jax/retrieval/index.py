@@ -567,13 +567,21 @@ def publish_index(root: str | os.PathLike, index: DocIndex, step: int, *, model_
   return path
 
 
+def index_step(path: str | os.PathLike | None) -> int:
+  """The training step of the index directory `path` (named `index-<step>`); -1 for None."""
+  if path is None:
+    return -1
+  match = _INDEX_DIR.fullmatch(os.path.basename(os.fspath(path).rstrip("/")))
+  if match is None:
+    raise ValueError(f"{path} is not an index-<step> directory.")
+  return int(match[1])
+
+
 def point_latest(root: str | os.PathLike, path: str | os.PathLike) -> None:
   """Makes `root/LATEST` name the index directory `path` (its name, in `root`), in one piece."""
-  name = os.path.basename(os.fspath(path).rstrip("/"))
-  match = _INDEX_DIR.fullmatch(name)
-  if match is None:
-    raise ValueError(f"{path} is not an index-<step> directory (of {root}).")
-  write_json(os.path.join(os.fspath(root), LATEST), {"directory": name, "step": int(match[1])})
+  step = index_step(path)
+  write_json(os.path.join(os.fspath(root), LATEST),
+             {"directory": os.path.basename(os.fspath(path).rstrip("/")), "step": step})
 
 
 def latest_index_dir(root: str | os.PathLike) -> str | None:
@@ -632,7 +640,7 @@ def prune_indexes(root: str | os.PathLike, keep: int, protect: Iterable[str] = (
     return []
   found = index_dirs(root)
   latest = latest_index_dir(root)
-  limit = math.inf if latest is None else int(_INDEX_DIR.fullmatch(os.path.basename(latest))[1])
+  limit = math.inf if latest is None else index_step(latest)
   current = [name for step, name in found if step <= limit]  # newest first
   spared = set(current[:keep]) | {os.path.basename(os.fspath(p).rstrip("/")) for p in protect}
   if latest is not None:

@@ -39,8 +39,8 @@ from realm_jax.train.init import build_models, init_params
 from realm_jax.train.metrics_writer import MetricsWriter
 from realm_jax.train.realm_step import TrainState, eval_step, summarize, train_step
 from realm_jax.train.refresh import (REFRESH_MODES, AsyncIndexWatcher, DocumentEmbedder,
-                                     index_step, load_index, refresh)
-from realm_jax.retrieval.index import (index_dirs, index_options, latest_index_dir,
+                                     load_index, refresh)
+from realm_jax.retrieval.index import (index_dirs, index_options, index_step, latest_index_dir,
                                       point_latest, read_manifest)
 
 # Settings that change the shapes of parameters, of the optimiser state (a separate retriever

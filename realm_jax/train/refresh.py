@@ -20,8 +20,8 @@ import numpy as np
 from realm_jax import distributed
 from realm_jax.io_utils import is_remote
 from realm_jax.retrieval.embed import embed_in_buckets
-from realm_jax.retrieval.index import (DocIndex, index_path, latest_index_dir, prune_indexes,
-                                       publish_index, read_manifest)
+from realm_jax.retrieval.index import (DocIndex, index_path, index_step, latest_index_dir,
+                                       prune_indexes, publish_index, read_manifest)
 from realm_jax.retrieval.towers import params_fingerprint
 
 REFRESH_MODES = ("sync", "async", "none")
@@ -154,7 +154,3 @@ class AsyncIndexWatcher:
 
   def close(self):
     self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def index_step(path: str | None) -> int:
-  return -1 if path is None else int(os.path.basename(path).split("-")[-1])

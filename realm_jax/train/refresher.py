@@ -19,11 +19,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from realm_jax.io_utils import absolute, as_path, read_json
-from realm_jax.retrieval.index import index_options, latest_index_dir
+from realm_jax.retrieval.index import index_options, index_step, latest_index_dir
 from realm_jax.train import checkpoints
 from realm_jax.train.init import build_models
 from realm_jax.train.pretrain import FIXED_SETTINGS, config_diff, open_data
-from realm_jax.train.refresh import DocumentEmbedder, index_step, refresh
+from realm_jax.train.refresh import DocumentEmbedder, refresh
 
 
 def read_retriever_params(checkpoint_dir: str, step: int) -> dict:
