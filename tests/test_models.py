@@ -115,7 +115,10 @@ def test_query_ignore_id_treats_the_token_as_padding_in_the_query_tower_only():
     _, q_hide, c_hide = hiding.apply({"params": params}, q, c)
     padded = dict(q, attention_mask=mask * (ids != 9))
     _, q_padded, _ = plain.apply({"params": params}, padded, c)
-    np.testing.assert_array_equal(q_hide, q_padded)
-    np.testing.assert_array_equal(c_hide, c_plain)
-    np.testing.assert_array_equal(q_hide[1], q_plain[1])       # no 9 in the second query
+    # Two programs (the mask made inside the model, or given): equal up to float32 rounding,
+    # which XLA's fusions may order differently on another CPU.
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    close(q_hide, q_padded)
+    close(c_hide, c_plain)
+    close(q_hide[1], q_plain[1])       # no 9 in the second query
     assert np.abs(q_hide[0] - q_plain[0]).max() > 1e-3

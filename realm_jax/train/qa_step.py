@@ -93,6 +93,20 @@ def whole_word_spans(out: dict, batch: dict) -> tuple[Array, Array]:
   return jnp.where(ok, logits, _SPAN_NEG), valid & ok
 
 
+def frozen_span_offset(reader_params: dict) -> dict:
+  """The reader's parameters with the span scorer's output bias cut from the gradient.
+
+  That bias adds one constant to every span logit, and every loss here is a softmax over spans
+  (plus terms without span logits), so its true gradient is exactly 0. Computed, it is rounding
+  noise of either sign, which Adam's normalisation (g / (|g| + eps)) turns into steps of up to the
+  learning rate: whether it moved depended on the CPU. It stays a parameter (HF's layout and
+  checkpoints keep it, and prediction uses it), with a gradient that is exactly 0 everywhere.
+  """
+  head = reader_params["qa_outputs"]
+  out = dict(head["dense_output"], bias=jax.lax.stop_gradient(head["dense_output"]["bias"]))
+  return {**reader_params, "qa_outputs": {**head, "dense_output": out}}
+
+
 def qa_loss(params, batch, models: QaModels, dropout_rng: Array | None = None):
   """Sum over the batch of each question's retriever + reader loss; dropout iff `dropout_rng`.
 
@@ -123,8 +137,9 @@ def qa_loss(params, batch, models: QaModels, dropout_rng: Array | None = None):
     raise ValueError(f"The batch has {r} read blocks per question but a beam of only "
                      f"{beam_logits.shape[1]}; the read blocks must be the beam's first R <= Z.")
   out = models.reader.apply(
-      {"params": params["reader"]}, *_inputs(batch["reader"]), batch["block_mask"],
-      beam_logits[:, :r], rngs is None, rngs=None if rngs is None else {"dropout": rngs[1]})
+      {"params": frozen_span_offset(params["reader"])}, *_inputs(batch["reader"]),
+      batch["block_mask"], beam_logits[:, :r], rngs is None,
+      rngs=None if rngs is None else {"dropout": rngs[1]})
   span_logits, span_valid = whole_word_spans(out, batch)
   span_correct = correct_spans(out["starts"], out["ends"], batch["gold_starts"],
                                batch["gold_ends"])                                  # [B, R, N]
