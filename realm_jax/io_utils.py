@@ -159,7 +159,8 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[str], None], *,
   Locally, readers see either no directory or a complete one: the temporary directory sits beside
   `path` and is renamed over it. An existing `path` is moved aside first (so for a moment `path`
   does not exist), then deleted. A crash mid-write leaves only a `.tmp-<name>-*` sibling, which
-  readers should ignore and a later run may delete.
+  readers should ignore and a later run may delete. The directories and files written get the
+  usual permissions (0777 / 0666 less the umask), whatever made them.
 
   For a remote `path` the files are uploaded with `upload_dir`: readers must treat the directory
   as complete only once `marker` (a file that `write` makes, e.g. "manifest.json") exists.
@@ -175,6 +176,13 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[str], None], *,
   tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=parent)
   try:
     write(tmp)
+    # mkdtemp makes 0700, and writers such as safetensors' make their files 0600.
+    umask = _umask()
+    for root, _, files in os.walk(tmp):
+      os.chmod(root, 0o777 & ~umask)
+      for f in files:
+        if not os.path.islink(os.path.join(root, f)):  # chmod would change the file it names
+          os.chmod(os.path.join(root, f), 0o666 & ~umask)
     if os.path.exists(path):
       # os.replace cannot put a directory over a non-empty one.
       old = tempfile.mkdtemp(prefix=f".old-{name}-", dir=parent)

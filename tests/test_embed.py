@@ -182,3 +182,48 @@ def test_resume_deletes_the_shard_a_killed_run_was_writing(setup, tmp_path):
       embed_corpus(corpus, embed, tok, str(out), 48, shard_size=8, fingerprint="f"), full)
   assert sorted(os.listdir(out)) == ["embedding.json"] + [
       f"shard-{s:05d}-of-00004.safetensors" for s in range(4)]
+
+
+def _embedded(setup, tmp_path, out):
+  """Embeds the corpus into `out` (4 shards of 8 rows): (a function that runs that again, the
+  embeddings)."""
+  from realm_jax.data.corpus import Corpus, CorpusConfig
+  from realm_jax.retrieval.embed import embed_corpus
+  from realm_jax.text import BertTokenizer
+  corpus = Corpus.build(str(tmp_path / "data"), CorpusConfig(
+      source="jsonl", paths=(str(setup / "docs.jsonl"),), vocab_file=str(setup / "vocab.txt")))
+  tok = BertTokenizer(str(setup / "vocab.txt"))
+  embed = lambda b: np.stack([b["attention_mask"].sum(-1), b["input_ids"][:, 1]],
+                             -1).astype(np.float32)
+  emb = embed_corpus(corpus, embed, tok, str(out), 48, shard_size=8, fingerprint="f")
+  return lambda: embed_corpus(corpus, embed, tok, str(out), 48, shard_size=8, fingerprint="f"), emb
+
+
+def test_shard_damaged_after_writing_is_refused(setup, tmp_path):
+  """A shard whose bytes were overwritten (same size, valid header) was read back as embeddings;
+  its checksum refuses it, naming it. Deleted, it is embedded again."""
+  out = tmp_path / "emb"
+  embed_again, full = _embedded(setup, tmp_path, out)
+  shard = out / "shard-00001-of-00004.safetensors"
+  data = bytearray(shard.read_bytes())
+  data[-40:] = bytes(b ^ 0xFF for b in data[-40:])  # the last rows of the shard
+  shard.write_bytes(bytes(data))
+  with pytest.raises(ValueError, match=(
+      rf"{shard} is corrupt: its CRC-32 is [0-9a-f]{{8}}, but it was saved with [0-9a-f]{{8}} "
+      r".*Delete it and build the index again \(experiments/build_index.py\): only that shard")):
+    embed_again()
+  shard.write_bytes(bytes(data[:len(data) // 2]))
+  with pytest.raises(ValueError, match=rf"{shard} cannot be read .*truncated or corrupt"):
+    embed_again()
+  shard.unlink()
+  np.testing.assert_array_equal(embed_again(), full)
+
+
+def test_shard_written_without_a_checksum_still_loads(setup, tmp_path):
+  """Shards written before they held a checksum are read as before, unverified."""
+  from safetensors.numpy import load_file, save_file
+  out = tmp_path / "emb"
+  embed_again, full = _embedded(setup, tmp_path, out)
+  for shard in out.glob("shard-*"):
+    save_file(load_file(str(shard)), str(shard))  # no metadata
+  np.testing.assert_array_equal(embed_again(), full)

@@ -296,7 +296,8 @@ def test_save_load_round_trip(tmp_path, dtype):
   manifest = read_manifest(tmp_path / "idx")
   save_id = manifest.pop("save_id")
   assert manifest == {"format_version": 1, "step": 7, "model_fingerprint": "m1",
-                      "corpus_fingerprint": "c1", "dtype": dtype, "count": 29, "dim": DIM}
+                      "corpus_fingerprint": "c1", "dtype": dtype, "count": 29, "dim": DIM,
+                      "arrays_crc32": index_lib.arrays_crc32(index.embeddings(), ids)}
   manifest["save_id"] = save_id
   loaded = DocIndex.load(tmp_path / "idx", expected_dim=DIM, expected_corpus_fingerprint="c1")
   assert loaded.manifest == manifest and loaded.dtype == index.dtype
@@ -333,7 +334,7 @@ def test_load_mismatches_and_broken_manifests(tmp_path):
   with pytest.raises(ValueError, match="format_version 99.*reads version 1"):
     DocIndex.load(path)
   (path / "manifest.json").write_text('{"format_version": 1, "st')
-  with pytest.raises(ValueError, match="manifest.json is not valid JSON"):
+  with pytest.raises(ValueError, match="manifest.json is corrupt: not valid JSON"):
     DocIndex.load(path)
   (path / "manifest.json").write_text(json.dumps({**manifest, "count": 11}))
   with pytest.raises(ValueError, match=r"does not hold the \[11, 16\] float32 embeddings"):
@@ -366,6 +367,82 @@ def test_load_mismatches_and_broken_manifests(tmp_path):
   (path / "manifest.json").unlink()
   with pytest.raises(FileNotFoundError, match="manifest.json does not exist.*not a saved index"):
     DocIndex.load(path)
+
+
+def damage(path, start, size):
+  """Flips every bit of `size` bytes of the file `path` from byte `start`: same size, new bytes."""
+  data = bytearray(path.read_bytes())
+  data[start:start + size] = bytes(b ^ 0xFF for b in data[start:start + size])
+  path.write_bytes(bytes(data))
+
+
+def test_index_damaged_after_saving_is_refused(tmp_path):
+  """Bytes overwritten in the middle of index.safetensors (the file keeps its size, its header
+  stays valid) were searched as embeddings; the manifest's checksum refuses them."""
+  emb, ids, _ = untied_data(11, 200, q=1)
+  path = tmp_path / "index-00000000"
+  DocIndex(emb, ids).save(path, step=0, model_fingerprint="m", corpus_fingerprint="c")
+  arrays = path / "index.safetensors"
+  size = arrays.stat().st_size
+  damage(arrays, size // 2, size // 4)  # in the embeddings, well past the header
+  assert arrays.stat().st_size == size
+  with pytest.raises(ValueError, match=(
+      rf"{arrays} is corrupt: its arrays' CRC-32 is [0-9a-f]{{8}}, but its manifest says "
+      rf"[0-9a-f]{{8}} .*Delete {path} and rebuild the index \(e\.g\. experiments/build_index.py")):
+    DocIndex.load(path)
+
+
+def test_index_saved_without_a_checksum_still_loads(tmp_path):
+  """Indexes saved before manifests held a checksum load as before, unverified."""
+  from safetensors.numpy import save_file
+  emb, ids, _ = untied_data(12, 20, q=1)
+  path = tmp_path / "idx"
+  path.mkdir()
+  save_file({"embeddings": emb, "block_ids": ids}, str(path / "index.safetensors"))
+  (path / "manifest.json").write_text(json.dumps(
+      {"format_version": 1, "step": 0, "model_fingerprint": "m", "corpus_fingerprint": "c",
+       "dtype": "float32", "count": 20, "dim": DIM}))
+  loaded = DocIndex.load(path)
+  np.testing.assert_array_equal(loaded.embeddings(), emb)
+  np.testing.assert_array_equal(loaded.block_ids, ids)
+
+
+def test_corrupt_manifest_is_reported_as_corrupt_not_as_no_index(tmp_path):
+  """latest_index_dir took an index whose manifest is not JSON for an unfinished one: with no
+  other index, callers said "No index". The error names the file, line and column."""
+  emb, ids, _ = untied_data(13, 10, q=1)
+  path = publish_index(tmp_path, DocIndex(emb, ids), 5, model_fingerprint="m",
+                       corpus_fingerprint="c")
+  manifest = os.path.join(path, "manifest.json")
+  with open(manifest, "w") as f:
+    f.write('{"format_version": 1,\n "step": 5,,\n')
+  message = (rf"{manifest} is corrupt: not valid JSON \(.*: line 2, column 12\)\. Delete "
+             rf"{path} and rebuild the index\.")
+  with pytest.raises(ValueError, match=message):
+    latest_index_dir(tmp_path)
+  with pytest.raises(ValueError, match=message):
+    DocIndex.load(path)
+  # A complete older index is still found (the damaged one is logged).
+  older = publish_index(tmp_path, DocIndex(emb, ids), 4, model_fingerprint="m",
+                        corpus_fingerprint="c")
+  assert latest_index_dir(tmp_path) == older
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_saved_index_has_the_umask_permissions(tmp_path, umask):
+  """Index directories and files were 0700 / 0600 (temporary directory, safetensors' file) while
+  the rest of a work directory follows the umask."""
+  emb, ids, _ = untied_data(14, 10, q=1)
+  old = os.umask(umask)
+  try:
+    path = publish_index(tmp_path / "index", DocIndex(emb, ids), 0, model_fingerprint="m",
+                         corpus_fingerprint="c")
+  finally:
+    os.umask(old)
+  mode = lambda p: os.stat(p).st_mode & 0o777
+  assert mode(path) == 0o777 & ~umask
+  for name in ("index.safetensors", "manifest.json"):
+    assert mode(os.path.join(path, name)) == 0o666 & ~umask, name
 
 
 def test_prune_keeps_the_newest_latest_and_protected_indexes(tmp_path):

@@ -71,7 +71,8 @@ class OpenQa:
 
   # ---------------------------------------------------------------------------------- read
   def read(self, texts: Sequence[str], rows: np.ndarray) -> list[dict]:
-    """The best answer of each question from its blocks rows [B, >= R] (first R read)."""
+    """The best answer of each question from its blocks rows [B, >= R] (first R read); a
+    ValueError instead when a score is not finite (damaged index embeddings or weights)."""
     rows = np.asarray(rows)[:, :self.reader_blocks]
     out = []
     for lo in range(0, len(texts), self.batch_size):
@@ -90,6 +91,7 @@ class OpenQa:
              "beam_mask": (rows >= 0).astype(np.int32),
              "beam_embeddings": self.table[np.maximum(rows, 0)].astype(np.float32)}
     got = jax.device_get(self._predict(self.params, batch))
+    self._check_finite(texts, got)
     starts, ends = _span_table(reader["input_ids"].shape[-1], self.batcher.max_span_width)
     preds = []
     for i in range(n):
@@ -115,6 +117,26 @@ class OpenQa:
                     "block_id": int(self.corpus.block_ids[rows[i, j]]) if rows[i, j] >= 0 else -1,
                     "block_rank": j, "evidence": evidence})
     return preds
+
+  def _check_finite(self, texts: list[str], got: dict) -> None:
+    """ValueError unless every score of the questions `texts` is finite. A NaN or infinite score
+    comes from damaged index embeddings or weights, and the span it picks means nothing."""
+    n = len(texts)
+    retrieval = np.isfinite(got["retriever_logits"][:n]).all(axis=1)
+    reading = np.isfinite(got["block_score"][:n]).all(axis=1) & np.isfinite(got["best_score"][:n])
+    if (retrieval & reading).all():
+      return
+    i = int(np.argmin(retrieval & reading))
+    if not retrieval[i]:
+      index = f"index {self.index.directory}" if self.index.directory else "index"
+      raise ValueError(
+          f"No answer to {texts[i]!r}: the retrieval scores of its blocks are not finite (NaN or "
+          f"infinite). The {index} holds damaged embeddings, or the question tower's weights are "
+          "damaged: rebuild the index (experiments/build_index.py); if that does not help, "
+          "restore a good checkpoint or fine-tune again.")
+    raise ValueError(f"No answer to {texts[i]!r}: the reader's span scores are not finite (NaN or "
+                     "infinite), so the reader's weights are damaged: restore a good checkpoint "
+                     "or fine-tune again.")
 
   def _span_text(self, row: int, lay: ReaderLayout, start: int, end: int):
     """(text, "title" | "body", (char start, char end)) of reader positions [start, end]."""
@@ -175,7 +197,7 @@ def _context(text: str, a: int, b: int) -> str:
 def check_ks(ks: Sequence[int], corpus_size: int) -> None:
   """ValueError (naming config.ks) unless every recall@k can be measured on the corpus."""
   if not ks or min(ks) < 1 or max(ks) > corpus_size:
-    raise ValueError(f"config.ks={tuple(ks)}: recall@k needs 1 <= k <= {corpus_size}, the blocks "
+    raise ValueError(f"--config.ks={tuple(ks)}: recall@k needs 1 <= k <= {corpus_size}, the blocks "
                      "of the corpus; pass e.g. --config.ks='(1,5)'.")
 
 

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from realm_jax.io_utils import as_path, atomic_write, local_file, read_json, write_json
+from realm_jax.retrieval.index import arrays_crc32
 
 Batch = dict[str, np.ndarray]
 
@@ -173,10 +174,13 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
   one object, which appears only when whole): a killed run resumes at the first missing shard and
   ends with the same result as an uninterrupted one. `fingerprint` (corpus + model + settings) is
   recorded in `out_dir/embedding.json`; a directory made for another fingerprint is refused rather
-  than mixed. `shard_size` and `batch_size` are `--config.shard_size` / `--config.batch_size` of
-  experiments/build_index.py, and are named so in errors.
+  than mixed. Each shard holds the CRC-32 of its rows in its header, checked when it is read back:
+  a damaged shard is an error that names it. `shard_size` and `batch_size` are
+  `--config.shard_size` / `--config.batch_size` of experiments/build_index.py, and are named so in
+  errors.
   """
-  from safetensors.numpy import load_file, save_file
+  from safetensors import SafetensorError, safe_open
+  from safetensors.numpy import save_file
 
   for flag, value in (("shard_size", shard_size), ("batch_size", batch_size)):
     if value < 1:
@@ -221,15 +225,39 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
     for s in todo:
       inputs = first if s == 0 else shard_inputs(s)
       emb = embed_in_buckets(embed_fn, inputs, batch_size, buckets, mesh=mesh, progress=bar)
-      atomic_write(shard_path(s), lambda p, e=emb: save_file({"embeddings": e}, p))
+      # The checksum goes in the shard's own header, not in a file beside it: a shard stays one
+      # file written in one piece, so a killed run never leaves one without its checksum.
+      atomic_write(shard_path(s), lambda p, e=emb: save_file(
+          {"embeddings": e}, p, metadata={"arrays_crc32": arrays_crc32(e)}))
   if todo:
     new_rows = n - done_rows
     elapsed = time.perf_counter() - start
     logging.info("Embedded %d blocks in %.1f s (%.1f blocks/s)", new_rows, elapsed,
                  new_rows / elapsed)
 
-  def load_shard(s: int) -> np.ndarray:
-    with local_file(shard_path(s)) as path:  # load_file reads local files: gs:// is downloaded
-      return load_file(path)["embeddings"]
+  unchecked = []
 
-  return np.concatenate([load_shard(s) for s in range(num_shards)])
+  def load_shard(s: int) -> np.ndarray:
+    redo = ("Delete it and build the index again (experiments/build_index.py): only that shard "
+            "is embedded again.")
+    with local_file(shard_path(s)) as path:  # safe_open reads local files: gs:// is downloaded
+      try:
+        with safe_open(path, framework="numpy") as f:
+          emb, want = f.get_tensor("embeddings"), (f.metadata() or {}).get("arrays_crc32")
+      except (SafetensorError, OSError) as e:
+        raise ValueError(f"{shard_path(s)} cannot be read ({e}): the file is truncated or "
+                         f"corrupt. {redo}") from e
+    if want is None:  # written by an older realm_jax
+      unchecked.append(s)
+      return emb
+    got = arrays_crc32(emb)
+    if got != want:
+      raise ValueError(f"{shard_path(s)} is corrupt: its CRC-32 is {got}, but it was saved with "
+                       f"{want} (the file was damaged after it was written). {redo}")
+    return emb
+
+  emb = np.concatenate([load_shard(s) for s in range(num_shards)])
+  if unchecked:
+    logging.info("%d of the %d shards in %s have no checksum (written by an older realm_jax): "
+                 "they are not verified.", len(unchecked), num_shards, out_dir)
+  return emb
