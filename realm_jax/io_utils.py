@@ -77,13 +77,24 @@ def absolute(path: str | os.PathLike) -> str:
 
 def local_dir(path: str | os.PathLike) -> str:
   """Where a directory that local-only readers need is kept on this machine: `path` itself when
-  local, else `$REALM_JAX_CACHE/<scheme>/<bucket>/<path>` (default cache ~/.cache/realm_jax)."""
+  local, else `$REALM_JAX_CACHE/<scheme>/<bucket>/<path>` (default cache ~/.cache/realm_jax).
+
+  Raises ValueError for a remote `path` with a "." or ".." part: an object store takes it as part
+  of a name, but its local copy would be that of another path (gs://b/./x that of gs://b/x), or
+  outside the cache (gs://b/../../x).
+  """
   path = os.fspath(path)
   if not is_remote(path):
     return path
   scheme, rest = path.split("://", 1)
-  cache = os.environ.get(CACHE_ENV) or os.path.join("~", ".cache", "realm_jax")
-  return os.path.join(os.path.expanduser(cache), scheme, rest.strip("/"))
+  cache = os.path.expanduser(os.environ.get(CACHE_ENV) or os.path.join("~", ".cache", "realm_jax"))
+  odd = [part for part in rest.split("/") if part in (".", "..")]
+  if odd:
+    raise ValueError(
+        f"The remote path {path} has a {odd[0]!r} part: an object store takes it as a name, not as "
+        f"a step, so its local copy in {cache} would be that of another path (or outside the "
+        "cache). Write the path without '.' and '..' parts.")
+  return os.path.join(cache, scheme, rest.strip("/"))
 
 
 def _umask() -> int:
@@ -133,8 +144,27 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
   write_text(path, json.dumps(obj, indent=2))
 
 
+class JSONFileError(json.JSONDecodeError):
+  """A `json.JSONDecodeError` (its `msg`, `lineno`, `colno` kept, for callers that catch it to
+  say more) whose message names the file: `path:line:column: not valid JSON (Expecting value).`"""
+
+  def __init__(self, path: str | os.PathLike, e: json.JSONDecodeError, first_line: int = 1):
+    """`e` of the text that starts at line `first_line` of the file `path`."""
+    super().__init__(e.msg, e.doc, e.pos)
+    self.path = os.fspath(path)
+    self.lineno += first_line - 1
+
+  def __str__(self) -> str:
+    return f"{self.path}:{self.lineno}:{self.colno}: not valid JSON ({self.msg})."
+
+
 def read_json(path: str | os.PathLike) -> Any:
-  return json.loads(as_path(path).read_bytes())
+  """The JSON value in the file `path`; a `JSONFileError` naming the file, line and column if the
+  file is not JSON."""
+  try:
+    return json.loads(as_path(path).read_bytes())
+  except json.JSONDecodeError as e:
+    raise JSONFileError(path, e) from None
 
 
 @contextlib.contextmanager
@@ -307,7 +337,8 @@ def local_copy_of_dir(path: str | os.PathLike, *, marker: str, what: str = "Dire
 def iter_jsonl(path: str | os.PathLike, what: str = "file"):
   """Yields (line number, parsed object) of a JSONL file, skipping blank lines.
 
-  Raises errors that name the file and line: unreadable file, invalid UTF-8, invalid JSON.
+  Raises errors that name the file and line: unreadable file, invalid UTF-8, invalid JSON (a
+  `JSONFileError`, also naming the column).
   """
   path = os.fspath(path)
   # Asked first: tf.io.gfile reports a missing file only at the first read.
@@ -328,7 +359,7 @@ def iter_jsonl(path: str | os.PathLike, what: str = "file"):
             f"{path}:{lineno}: not valid UTF-8 (byte {e.start}); convert the file to UTF-8.") from None
       if not line.strip():
         continue
-      try:
-        yield lineno, json.loads(line)
+      try:  # without its line break, after which an unfinished line's error would be placed
+        yield lineno, json.loads(line.rstrip("\r\n"))
       except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from None
+        raise JSONFileError(path, e, lineno) from None

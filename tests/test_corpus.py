@@ -2,10 +2,13 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from realm_jax.data import blocks
 from realm_jax.data.blocks import block_id, pack_blocks, split_sentences
 from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.sources import documents, read_jsonl
@@ -26,6 +29,16 @@ def vocab_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok(vocab_file):
   return BertTokenizer(vocab_file)
+
+
+@pytest.fixture(scope="module")
+def articles():
+  """The embedded corpus's Wikipedia summaries (the demo extra)."""
+  from realm_jax.data.wiki_vital import load_articles
+  try:
+    return load_articles()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
 
 
 def write_jsonl(path, docs):
@@ -357,7 +370,7 @@ def test_bad_corpus_files_name_file_and_line(tmp_path, vocab_file):
   with pytest.raises(ValueError, match=r"packed.jsonl is gzip-compressed; decompress it first"):
     list(read_jsonl(str(tmp_path / "packed.jsonl")))
   (tmp_path / "broken.jsonl").write_text('{"text": "a"\n')
-  with pytest.raises(ValueError, match=r"broken.jsonl:1: not valid JSON"):
+  with pytest.raises(ValueError, match=r"broken.jsonl:1:13: not valid JSON \(Expecting ',' "):
     list(read_jsonl(str(tmp_path / "broken.jsonl")))
   with pytest.raises(FileNotFoundError, match="Corpus file .*missing.jsonl does not exist"):
     list(documents("jsonl", [str(tmp_path / "missing.jsonl")]))
@@ -385,3 +398,74 @@ def test_no_text_is_lost_when_the_splitter_fails():
   assert split_sentences(text) == [
       "The Symphony No. 3 in E\u266d major, Op. 55, titled as the Eroica Symphony, is a symphony in "
       "four movements by Ludwig van Beethoven.", "It was first performed in 1805."]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACK = """
+import json, logging, sys
+from realm_jax.data.blocks import pack_blocks
+from realm_jax.text import BertTokenizer
+logging.basicConfig(level=logging.INFO)
+text = open(sys.argv[1], encoding="utf-8").read()
+blocks = pack_blocks("Big", text, BertTokenizer(sys.argv[2]), where="big.jsonl:1")
+print(json.dumps([b["body"] for b in blocks]))
+"""
+
+
+def test_a_5_mb_document_is_packed_in_seconds_and_keeps_its_text(tmp_path, vocab_file, articles):
+  """pysbd's time grows with the square of a line's length: one 5 MB document stalled a corpus
+  build for hours, without a word. Real summaries, once with line breaks between them and once
+  without (the worst case), repeated."""
+  texts = [a["text"] for a in articles[:1000]]
+  text = ""
+  while len(text) < 5_000_000:
+    text += "\n".join(texts) + "\n" + " ".join(texts) + " "
+  (tmp_path / "big.txt").write_text(text, encoding="utf-8")
+  try:  # a subprocess, which the timeout stops (the old code took hours)
+    run = subprocess.run([sys.executable, "-c", _PACK, str(tmp_path / "big.txt"), vocab_file],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
+                         text=True, timeout=60)
+  except subprocess.TimeoutExpired:
+    pytest.fail("Packing a 5 MB document into blocks took more than 60 s.")
+  assert run.returncode == 0, run.stderr
+  assert "big.jsonl:1: splitting the document 'Big' of 5." in run.stderr  # a word of progress
+  bodies = json.loads(run.stdout)
+  assert "".join("".join(bodies).split()) == "".join(text.split())
+
+
+def test_documents_up_to_the_limit_keep_their_sentences_and_blocks(tok, articles, monkeypatch):
+  """Block ids are SHA-1s of their text, and corpora and indexes are named after them: a document
+  of up to 50,000 characters is still split by one pysbd call over all of it, as it always was."""
+  import pysbd
+  segmenter = pysbd.Segmenter(language="en", clean=False, char_span=True)
+  texts = [a["text"] for a in articles[::50]]
+  long = ""  # real text just under the limit (blocks._WHOLE_TEXT_CHARS), without a line break
+  for a in articles:
+    if len(long) + len(a["text"]) + 1 > 50_000:
+      break
+    long += a["text"].replace("\n", " ") + " "
+  texts.append(long)
+  whole = {t: [s.sent.strip() for s in segmenter.segment(t) if s.sent.strip()] for t in texts}
+  # (Where pysbd loses some of a text, both take a plain punctuation split instead.)
+  texts = [t for t in texts if "".join("".join(whole[t]).split()) == "".join(t.split())]
+  assert len(texts) > 150 and len(texts[-1]) > 45_000
+
+  def made(text):
+    return [(b["block_id"], list(b["sentence_starts"])) for b in pack_blocks("T", text, tok)]
+
+  got = [made(t) for t in texts]
+  monkeypatch.setattr(blocks, "split_sentences", whole.__getitem__)
+  assert got == [made(t) for t in texts]
+
+
+def test_a_long_text_is_split_in_pieces_that_keep_all_of_it(articles):
+  """Above 50,000 characters a text goes to pysbd in pieces of at most 2,000, cut at a line break,
+  a sentence end or a space, and a run without one (a long URL, text without spaces) at 2,000."""
+  prose = " ".join(a["text"] for a in articles[:100])
+  text = (prose + "\r\n" + "x" * 4_500 + " " + " ".join(["word"] * 700) + ".\n\n") * 2
+  assert len(text) > 50_000
+  sentences = split_sentences(text)
+  assert "".join("".join(sentences).split()) == "".join(text.split())
+  assert max(len(s) for s in sentences) <= 2_000
+  # The summaries' own sentences come out whole: no piece was cut inside one.
+  assert {s for a in articles[:100] for s in split_sentences(a["text"])} <= set(sentences)

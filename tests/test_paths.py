@@ -14,6 +14,7 @@ import importlib
 import io
 import json
 import os
+import re
 import struct
 import time
 
@@ -170,7 +171,7 @@ def test_files_round_trip(gcs):
   io_utils.write_text(f"{BUCKET}/w/rows.jsonl", '{"x": 1}\n\n{"x": 2}\n')
   assert list(io_utils.iter_jsonl(f"{BUCKET}/w/rows.jsonl")) == [(1, {"x": 1}), (3, {"x": 2})]
   io_utils.write_text(f"{BUCKET}/w/bad.jsonl", '{"x": 1}\n{"x": \n')
-  with pytest.raises(ValueError, match=r"gs://bucket/w/bad.jsonl:2: not valid JSON"):
+  with pytest.raises(ValueError, match=r"gs://bucket/w/bad.jsonl:2:7: not valid JSON"):
     list(io_utils.iter_jsonl(f"{BUCKET}/w/bad.jsonl"))
   with pytest.raises(FileNotFoundError, match="File gs://bucket/w/none.jsonl does not exist"):
     list(io_utils.iter_jsonl(f"{BUCKET}/w/none.jsonl"))
@@ -181,6 +182,35 @@ def test_files_round_trip(gcs):
   assert io_utils.local_dir(f"{BUCKET}/w/data") == os.path.join(
       os.environ[io_utils.CACHE_ENV], "gs", "bucket", "w", "data")
   assert io_utils.absolute(f"{BUCKET}/w") == f"{BUCKET}/w"
+
+
+def test_local_copy_of_a_path_with_dot_parts_is_refused(monkeypatch, tmp_path):
+  """gs://bucket/../../x names an object "../../x"; its local copy went two levels up from the
+  cache's gs/bucket, and gs://bucket/./x shared the copy of gs://bucket/x."""
+  monkeypatch.setenv(io_utils.CACHE_ENV, str(tmp_path / "cache"))
+  for path, part in [("gs://bucket/../../x", ".."), ("gs://bucket/w/./data", "."),
+                     ("gs://bucket/w/..", ".."), ("gs://../etc", "..")]:
+    with pytest.raises(ValueError, match=rf"The remote path {re.escape(path)} has a '{part}' part"):
+      io_utils.local_dir(path)
+  assert io_utils.local_dir("gs://bucket/w/x..y/") == str(tmp_path / "cache/gs/bucket/w/x..y")
+  assert io_utils.local_dir("../w") == "../w"  # a local path is the user's to resolve
+
+
+def test_json_errors_name_file_line_and_column(tmp_path):
+  meta = tmp_path / "meta.json"
+  meta.write_text('{"a": 1,\n "b": ,\n "c": 3}\n')
+  message = rf"^{re.escape(str(meta))}:2:7: not valid JSON \(Expecting value\)\.$"
+  with pytest.raises(json.JSONDecodeError, match=message) as e:
+    io_utils.read_json(meta)
+  assert (e.value.msg, e.value.lineno, e.value.colno) == ("Expecting value", 2, 7)  # for callers
+  rows = tmp_path / "rows.jsonl"
+  rows.write_text('{"a": 1}\n\n{"b": 2,, "c": 3}\n')
+  with pytest.raises(ValueError, match=rf"^{re.escape(str(rows))}:3:9: not valid JSON \(Expecting "
+                                       r"property name enclosed in double quotes\)\.$"):
+    list(io_utils.iter_jsonl(rows))
+  rows.write_text('{"a": 1}\n{"b": \n')  # cut short: the error is at the end of line 2, not on 3
+  with pytest.raises(ValueError, match=rf"^{re.escape(str(rows))}:2:7: not valid JSON"):
+    list(io_utils.iter_jsonl(rows))
 
 
 def test_directory_upload_puts_the_marker_last_and_download_mirrors_it(gcs, tmp_path,

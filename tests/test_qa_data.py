@@ -184,7 +184,7 @@ def test_missing_folder_file_and_unknown_names(tmp_path):
     ("curated_trec", "test", "curated-test.tsv", "1\tfactoid\tWho?\t \n",
      r"curated-test\.tsv:1: answer pattern ' ' is empty"),
     ("nq_open", "dev", "NQ-open.dev.jsonl", '{"question": "q", "answer": ["a"]}\n{"question": \n',
-     r"NQ-open\.dev\.jsonl:2: not valid JSON"),
+     r"NQ-open\.dev\.jsonl:2:14: not valid JSON"),
     ("nq_open", "dev", "NQ-open.dev.jsonl", '{"question": " ", "answer": ["a"]}\n',
      r"NQ-open\.dev\.jsonl:1: the question is empty"),
     ("nq_open", "dev", "NQ-open.dev.jsonl",

@@ -37,14 +37,74 @@ def _segmenter():
 
 _FALLBACK_SPLIT = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z])")
 
+# pysbd's time grows with the square of the length of a line (each abbreviation it finds rewrites
+# the whole line; each sentence is looked for from the start of the text): a line of 100,000
+# characters takes 5 s, 200,000 20 s, 5 million hours. A text up to this length (a long Wikipedia
+# article) still goes to pysbd whole, so that its blocks, and their ids, are those that earlier
+# versions made; a longer one in pieces (`_pieces`). pysbd's answer for a whole line also depends
+# on all of it ("Old St. Peter's" is cut after "St." in some texts and not in others), so no
+# cutting reproduces it exactly.
+_WHOLE_TEXT_CHARS = 50_000
+# The pieces of a longer text: at most this many characters, so at most a few ms of pysbd each.
+_PIECE_CHARS = 2_000
+_LINE_BREAK = re.compile(r"[\r\n]+")
+# Where pysbd nearly always ends a sentence too: . ! or ? after two lowercase letters or digits (not
+# "Dr." "St." "U.S." "H. G. Wells"), closing quotes or brackets, spaces, then a capital.
+_SENTENCE_END = re.compile(
+    r"[a-z0-9]{2}[.!?][\"'\u2019\u201d)\]]*\s+(?=[\"'\u2018\u201c(\[]?[A-Z])")
+_SPACE = re.compile(r"\s+")
+# A document at least this long is named in the log as its blocks are made, which takes seconds in
+# which the corpus build would seem stuck.
+_LOG_CHARS = 1_000_000
+
+
+def _pieces(text: str) -> Iterator[str]:
+  """Consecutive pieces of `text` (joined, they are `text`) of at most `_PIECE_CHARS` characters.
+
+  Each is cut in the back half of its window: after its last line break (pysbd ends a sentence at
+  every one), else after its last sentence end (`_SENTENCE_END`), else after its last space, else
+  (a run of that length without one) at the end of the window.
+  """
+  lo, half = 0, _PIECE_CHARS // 2
+  while len(text) - lo > _PIECE_CHARS:
+    window = text[lo:lo + _PIECE_CHARS]
+    last_end = lambda pattern: max((m.end() for m in pattern.finditer(window, half)), default=0)
+    cut = last_end(_LINE_BREAK) or last_end(_SENTENCE_END) or last_end(_SPACE) or len(window)
+    yield window[:cut]
+    lo += cut
+  yield text[lo:]
+
 
 def split_sentences(text: str) -> list[str]:
   """Sentences of `text` (whitespace-trimmed, none empty), with a real sentence splitter.
 
-  pysbd occasionally loses text (it returns nothing for "E\u266d major ... Beethoven."); when its
-  sentences do not cover every non-space character of `text`, a plain punctuation split is used.
+  A text longer than `_WHOLE_TEXT_CHARS` is split piece by piece (`_pieces`), in a time that grows
+  with its length, not with its square (a few seconds per million characters); a sentence then
+  never spans two pieces, so one longer than `_PIECE_CHARS // 2` may come out in two.
   """
-  out = [s.sent.strip() for s in _segmenter().segment(text)]
+  if len(text) <= _WHOLE_TEXT_CHARS:
+    return _checked(text, [s.sent for s in _segmenter().segment(text)])
+  return [sentence for piece in _pieces(text) for sentence in _checked(piece, _found(piece))]
+
+
+def _found(piece: str) -> list[str]:
+  """pysbd's sentences of `piece`, each looked for after the one before, as `segment` does; but
+  without its regular expression per sentence, which pushes pysbd's own out of `re`'s cache (512
+  entries), to be compiled again for each piece: that doubled the time of a long text."""
+  out, pos = [], 0
+  for sentence in _segmenter().processor(piece).process():
+    start = piece.find(sentence, pos)
+    if start >= 0:  # else pysbd changed the text: `_checked` sees that some is missing
+      out.append(sentence)
+      pos = start + len(sentence)
+  return out
+
+
+def _checked(text: str, sentences: list[str]) -> list[str]:
+  """pysbd's `sentences` of `text` trimmed, without empty ones; or, when they do not cover every
+  non-space character of `text`, a plain punctuation split of `text` (pysbd occasionally loses
+  text: it returns nothing for "E\u266d major ... Beethoven.")."""
+  out = [s.strip() for s in sentences]
   out = [s for s in out if s]
   if "".join("".join(out).split()) != "".join(text.split()):
     out = [s.strip() for s in _FALLBACK_SPLIT.split(text) if s.strip()]
@@ -92,6 +152,10 @@ def pack_blocks(title: str, text: str, tokenizer: BertTokenizer, block_length: i
   if blocking not in BLOCKINGS:
     raise ValueError(f"blocking={blocking!r}: use one of {BLOCKINGS}.")
   title_ids = tokenizer.encode(title)
+  if len(text) >= _LOG_CHARS:
+    logging.info("%s: splitting the document %r of %.1f million characters into sentences and "
+                 "blocks (a few seconds per million).", where or "A document", title[:80],
+                 len(text) / 1e6)
   sentences = split_sentences(text)
   if not sentences:
     return
