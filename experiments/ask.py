@@ -8,10 +8,9 @@ The work directory is one that experiments/finetune.py made (config.json, index/
 question, a flag or a work directory that cannot be used ends with `error: ...` and status 2.
 """
 
-import sys
+from absl import flags, logging
 
-from absl import app, flags, logging
-
+from realm_jax import cli
 from realm_jax.eval import ask
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Fine-tuning work directory (experiments/finetune.py).")
@@ -22,18 +21,10 @@ _JSON = flags.DEFINE_bool("json", False, "Print each prediction as a JSON line i
 
 
 def main(argv):
+  del argv
   logging.set_verbosity(logging.ERROR)
-  try:
-    if len(argv) > 1:
-      raise ValueError(f"Unexpected arguments {argv[1:]}: quote the question, "
-                       "--question=\"who wrote the origin of species\".")
-    ask.run(_WORKDIR.value, _QUESTION.value, _INTERACTIVE.value, _TOP_K.value, _JSON.value)
-  except (ValueError, FileNotFoundError) as e:  # the user's to fix: one line, no traceback
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  except KeyboardInterrupt:
-    sys.exit(130)
+  ask.run(_WORKDIR.value, _QUESTION.value, _INTERACTIVE.value, _TOP_K.value, _JSON.value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, stray_hint='quote the question, --question="who wrote the origin of species"')

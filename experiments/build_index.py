@@ -5,12 +5,12 @@
       --config.corpus.source=jsonl --config.corpus.paths='("my_docs/",)' --workdir=work/mine
 """
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
+from realm_jax import cli
 from realm_jax.retrieval import build
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (realm_jax/configs/build_index.py:<variant>).")
+_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/build_index.py:<variant>).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: corpus, embeddings and index go here.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -22,4 +22,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -13,17 +13,16 @@ results.json, then prints EM and recall@k as a markdown table.
 """
 
 import os
-import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
+from realm_jax import cli
 from realm_jax.data.qa import load_questions
 from realm_jax.eval import report
 from realm_jax.train import finetune
 from realm_jax.train.pretrain import quiet_library_logs
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (realm_jax/configs/finetune.py:<variant>); default: the workdir's config.json.")
+_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/finetune.py:<variant>); default: the workdir's config.json.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory of a fine-tuning run.")
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "dev", "test"], "Which part of the questions.")
 _SYSTEMS = flags.DEFINE_list("systems", list(report.SYSTEMS), "Systems to evaluate.")
@@ -39,35 +38,39 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   quiet_library_logs()
   workdir = _WORKDIR.value
-  try:
-    if _LIMIT.value < 0:  # a negative slice would silently drop the last questions
-      raise ValueError(f"--limit={_LIMIT.value}: pass a number of questions >= 1, or 0 for all.")
-    config = _CONFIG.value or finetune.load_workdir_config(workdir)
-    setup = finetune.QaSetup(config, workdir, build_missing=False)
-    if _DATASET.value:
-      name, _, split = _DATASET.value.partition(":")
-      if not split:
-        raise ValueError(f"--dataset={_DATASET.value!r}: use NAME:SPLIT, e.g. curated_trec:test.")
-      questions = load_questions(name, split, local_dir=_DATASET_DIR.value or None)
-      part = f"{name}-{split}"
-    else:
-      questions = finetune.split_questions(config)[_SPLIT.value]
-      part = _SPLIT.value
-      if not questions:
-        raise ValueError(f"The {part} part of config.data is empty (test_percent="
-                         f"{config.data.test_percent}): evaluate --split=dev, or change the "
-                         "config.")
-    questions = questions[:_LIMIT.value or None]
-    out_dir = os.path.join(workdir, "eval", part)
-    ks = tuple(config.ks)
-    results = report.evaluate_systems(setup, questions, _SYSTEMS.value, ks, out_dir,
-                                      recall_only=_RECALL_ONLY.value)
-  except (FileNotFoundError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+  if _LIMIT.value < 0:  # a negative slice would silently drop the last questions
+    raise ValueError(f"--limit={_LIMIT.value}: pass a number of questions >= 1, or 0 for all.")
+  unknown = [s for s in _SYSTEMS.value + _RECALL_ONLY.value if s not in report.SYSTEMS]
+  if unknown:
+    raise ValueError(f"--systems / --recall_only: unknown {unknown}; use some of {report.SYSTEMS}.")
+  config = _CONFIG.value or finetune.load_workdir_config(workdir)
+  # Refused before the questions, the index and the models are loaded: a work directory without
+  # a fine-tuned model (first: check_writable would create a misspelt --workdir), and an eval/
+  # that cannot be written.
+  finetune.check_index(workdir)
+  finetune.check_best(workdir)
+  name, _, split = _DATASET.value.partition(":")
+  if _DATASET.value and not split:
+    raise ValueError(f"--dataset={_DATASET.value!r}: use NAME:SPLIT, e.g. curated_trec:test.")
+  part = f"{name}-{split}" if _DATASET.value else _SPLIT.value
+  out_dir = os.path.join(workdir, "eval", part)
+  report.check_writable(out_dir)
+  if _DATASET.value:
+    questions = load_questions(name, split, local_dir=_DATASET_DIR.value or None)
+  else:
+    questions = finetune.split_questions(config)[_SPLIT.value]
+    if not questions:
+      raise ValueError(f"The {part} part of config.data is empty (test_percent="
+                       f"{config.data.test_percent}): evaluate --split=dev, or change the "
+                       "config.")
+  questions = questions[:_LIMIT.value or None]
+  setup = finetune.QaSetup(config, workdir, build_missing=False)
+  ks = tuple(config.ks)
+  results = report.evaluate_systems(setup, questions, _SYSTEMS.value, ks, out_dir,
+                                    recall_only=_RECALL_ONLY.value)
   print(f"{part}: {len(questions)} questions; predictions and results.json in {out_dir}")
   print(report.format_table(results, ks))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

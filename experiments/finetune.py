@@ -8,13 +8,13 @@ The index is built in the workdir first if it is not there. Then evaluate the be
 experiments/evaluate.py and ask it questions with experiments/ask.py (same flags).
 """
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
+from realm_jax import cli
 from realm_jax.train import finetune
 from realm_jax.train.pretrain import quiet_library_logs
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (realm_jax/configs/finetune.py:<variant>).")
+_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/finetune.py:<variant>).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: corpus, index, checkpoints, best model, TensorBoard.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -29,4 +29,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

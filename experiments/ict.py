@@ -7,12 +7,12 @@ HF REALM scorer to <workdir>/export for build_index.py and pre-training.
       --config.bert_weights=/path/to/bert-base-uncased --config.distributed=True
 """
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
+from realm_jax import cli
 from realm_jax.train import ict
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (realm_jax/configs/ict.py:<variant>).")
+_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/ict.py:<variant>).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: corpus, checkpoints, TensorBoard, export.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -24,4 +24,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

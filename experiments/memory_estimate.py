@@ -5,12 +5,12 @@
       --devices=8 --capacity_gib=80 --config.batch_size=64 --config.remat=True
 """
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
+from realm_jax import cli
 from realm_jax.train import memory
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (realm_jax/configs/pretrain.py:<variant>).")
+_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/pretrain.py:<variant>).")
 _DEVICES = flags.DEFINE_integer("devices", 0, "Devices the batch and index are sharded over "
                                 "(default: the config's slice).")
 _ROWS = flags.DEFINE_integer("index_rows", 0, "Blocks in the index (default: 13,353,718 for "
@@ -32,4 +32,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

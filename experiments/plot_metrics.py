@@ -1,7 +1,8 @@
 """Training curves of a run as a PNG: python experiments/plot_metrics.py --workdir=work/pretrain_demo"""
 
-from absl import app, flags
+from absl import flags
 
+from realm_jax import cli
 from realm_jax.train.plot import plot_metrics
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A run's work directory (holds metrics.jsonl).")
@@ -15,4 +16,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -6,13 +6,13 @@
       --config.retriever_weights=work/ict/export --config.encoder_weights=... --config.distributed=True
 """
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
+from realm_jax import cli
 from realm_jax.train import pretrain
 from realm_jax.train.pretrain import quiet_library_logs
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (realm_jax/configs/pretrain.py:<variant>).")
+_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/pretrain.py:<variant>).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory (local or gs://): data, index, checkpoints, TensorBoard.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -25,4 +25,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -5,13 +5,13 @@ corpus with the newest checkpoint's document tower and publishes each index atom
   python experiments/refresh_index.py --flagfile=F
 """
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
+from realm_jax import cli
 from realm_jax.train import refresher
 from realm_jax.train.pretrain import quiet_library_logs
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "The trainer's config (realm_jax/configs/pretrain.py:<variant>).")
+_CONFIG = cli.define_config("config", None, "The trainer's config (realm_jax/configs/pretrain.py:<variant>).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's work directory (local or gs://).")
 _POLL = flags.DEFINE_float("poll_seconds", 10.0, "How often to look for a new checkpoint.")
 _IDLE = flags.DEFINE_float("stop_after_idle_s", None, "Stop after this long without a new checkpoint (default: never).")
@@ -27,4 +27,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

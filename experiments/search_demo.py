@@ -4,12 +4,12 @@
   python experiments/search_demo.py --workdir=work/search_demo --question="who discovered penicillin"
 """
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
+from realm_jax import cli
 from realm_jax.retrieval import search_demo
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.define_config(
     "config", "realm_jax/configs/build_index.py:wiki_vital_minilm", "Index config.")
 _WORKDIR = flags.DEFINE_string("workdir", "work/search_demo", "Corpus, embeddings and index go here.")
 _QUESTIONS = flags.DEFINE_multi_string("question", ["who discovered penicillin"], "Questions to ask.")
@@ -23,4 +23,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -3,6 +3,7 @@
 (checked against a brute-force search of the index table), the JSON is the prediction, user
 mistakes end in one `error:` line with status 2, and the notebook answers and plots."""
 
+import glob
 import io
 import json
 import os
@@ -85,6 +86,8 @@ def test_ask_json_is_the_prediction(workdir, system):
 
 CASES = {"empty_question": "empty", "long_question": "10,000 characters",
          "no_config": "config.json does not exist", "no_index": "No index",
+         "corrupt_index": "manifest.json is corrupt: not valid JSON (Expecting value: line 1, "
+                          "column 1)",
          "no_model": "no fine-tuned model", "no_question": "--interactive",
          "bad_top_k": "--top_k=0"}
 
@@ -93,14 +96,19 @@ def mistake(case, workdir, tmp_path):
   """(ask.py arguments, expected message) of a user mistake."""
   question = {"empty_question": "  ", "long_question": "x" * 10_000}.get(case, QUESTION)
   where = workdir
-  if case in ("no_config", "no_index", "no_model"):
+  if case in ("no_config", "no_index", "corrupt_index", "no_model"):
     where = str(tmp_path / "w")
     if case == "no_model":  # everything but the fine-tuned model
       shutil.copytree(workdir, where, ignore=shutil.ignore_patterns(finetune.BEST, "checkpoints"))
     else:
       os.makedirs(where)
-      if case == "no_index":
+      if case in ("no_index", "corrupt_index"):
         shutil.copy(os.path.join(workdir, "config.json"), where)
+      if case == "corrupt_index":  # its one index damaged, which was reported as missing
+        shutil.copytree(os.path.join(workdir, "index"), os.path.join(where, "index"))
+        for manifest in glob.glob(os.path.join(where, "index", "index-*", "manifest.json")):
+          with open(manifest, "w") as f:
+            f.write("#" * 100)
   kwargs = dict(workdir=where, question=None if case == "no_question" else question,
                 top_k=0 if case == "bad_top_k" else None)
   return kwargs, CASES[case]
@@ -142,6 +150,25 @@ def test_interactive_loop_answers_and_goes_on_after_an_error(system):
   assert pred["question"] == QUESTION and len(pred["evidence"]) == 1
 
 
+def test_non_finite_scores_are_never_answers(workdir, system):
+  """Damaged index embeddings (here: infinite) gave the answer score inf, printed as an answer.
+  The question is refused instead, naming the index; the interactive loop reports that as an
+  error line."""
+  from realm_jax.eval.open_qa import OpenQa
+  from realm_jax.retrieval.index import latest_index_dir
+  damaged = OpenQa(system.batcher, system.models, system.params, system.index,
+                   np.full_like(system.table, np.inf), reader_blocks=system.reader_blocks,
+                   batch_size=system.batch_size)
+  with pytest.raises(ValueError, match=(
+      rf"No answer to '{QUESTION}': the retrieval scores of its blocks are not finite .*The index "
+      rf"{re.escape(latest_index_dir(os.path.join(workdir, 'index')))} holds damaged "
+      "embeddings")):
+    damaged.answer([QUESTION])
+  out, err = io.StringIO(), io.StringIO()
+  assert ask.ask_loop(damaged, io.StringIO(f"{QUESTION}\n"), out, err) == 0
+  assert "A:" not in out.getvalue() and err.getvalue().startswith("error: No answer to")
+
+
 def test_notebook_fine_tunes_answers_and_plots(workdir, system, tmp_path, monkeypatch):
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")
@@ -169,3 +196,21 @@ def test_notebook_fine_tunes_answers_and_plots(workdir, system, tmp_path, monkey
   images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
             if "image/png" in o.get("data", {})]
   assert len(images) == 1
+
+
+def test_a_damaged_model_ends_in_one_error_line(workdir, tmp_path):
+  """A data file of the kept model deleted: one `error:` line naming best/ and what to do, status
+  2, no orbax traceback; nothing in the work directory is changed (ask only reads)."""
+  where = tmp_path / "w"
+  shutil.copytree(workdir, where)
+  (step,) = [p for p in (where / finetune.BEST).iterdir() if p.name.isdigit()]
+  biggest = max((p for p in (step / "state").rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+  biggest.unlink()
+  got = run_ask(f"--workdir={where}", f"--question={QUESTION}")
+  assert got.returncode == 2, (got.stdout, got.stderr)
+  errors = [line for line in got.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and "Traceback" not in got.stderr and got.stdout == "", got.stderr
+  assert f"No checkpoint in {where}/{finetune.BEST} can be read (step {step.name}: " in errors[0]
+  assert "Nothing was changed. Restore" in errors[0] and "another --workdir" in errors[0]
+  assert step.is_dir() and not (where / f"{finetune.BEST}-damaged").exists()

@@ -116,3 +116,38 @@ def test_evaluate_refuses_a_negative_limit(tmp_path):
                        text=True, timeout=120)
   assert got.returncode == 2 and got.stdout == ""
   assert got.stderr.strip() == "error: --limit=-1: pass a number of questions >= 1, or 0 for all."
+
+
+def test_evaluate_refuses_an_eval_directory_it_cannot_write_before_loading(tmp_path):
+  """experiments/evaluate.py answered every question, then failed to write eval/: refused first,
+  in one error line naming the directory, before the corpus, the index or the models are read.
+  eval/ is made unwritable by a file of that name, which stops root too (chmod does not)."""
+  import os
+  import subprocess
+  import sys
+  from realm_jax.configs.finetune import get_config
+  from realm_jax.retrieval.index import DocIndex, publish_index
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  (workdir / "config.json").write_text(get_config("tiny").to_json())
+  publish_index(workdir / "index", DocIndex(np.eye(2, 4, dtype=np.float32), np.arange(2)), 0,
+                model_fingerprint="m", corpus_fingerprint="c")
+  (workdir / "best" / "4").mkdir(parents=True)  # what a finished fine-tuning run leaves
+  (workdir / "eval").write_text("")
+  before = sorted(p.name for p in workdir.iterdir())
+  got = subprocess.run([sys.executable, os.path.join(root, "experiments", "evaluate.py"),
+                        f"--workdir={workdir}"], cwd=root, capture_output=True, text=True,
+                       timeout=120)
+  assert got.returncode == 2 and got.stdout == "", got.stderr[-3000:]
+  assert got.stderr.strip().splitlines() == [
+      f"error: {workdir}/eval/test cannot be written (Not a directory); the predictions and "
+      "results.json go there. Make it writable (or move away a file that stands where one of its "
+      "folders should be), or evaluate a writable copy of the work directory."]
+  assert sorted(p.name for p in workdir.iterdir()) == before  # no corpus built, nothing loaded
+
+
+def test_a_writable_output_directory_is_made_and_left_empty(tmp_path):
+  from realm_jax.eval.report import check_writable
+  check_writable(str(tmp_path / "eval" / "test"))
+  assert list((tmp_path / "eval" / "test").iterdir()) == []

@@ -288,3 +288,26 @@ def test_a_workdir_keeps_its_reader_layout(tmp_path):
     other[key] = value
     with pytest.raises(ValueError, match=rf"another config \({key} differ"):
       check_workdir_config(other, str(tmp_path), finetune._FIXED)
+
+
+def test_a_damaged_best_model_stops_the_resume_saying_what_to_do(run, tmp_path):
+  """A data file of best/'s only model deleted: resuming reads it (not only its record), and,
+  with no older model to fall back to, stops with one ValueError naming best/ and what to do,
+  instead of keeping a model that cannot be loaded or an orbax traceback; nothing is moved."""
+  import shutil
+  workdir, _ = run
+  where = tmp_path / "w"
+  shutil.copytree(workdir, where)
+  (step,) = [p for p in (where / finetune.BEST).iterdir() if p.name.isdigit()]
+  biggest = max((p for p in (step / "state").rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+  biggest.unlink()
+  trainer = finetune.QaTrainer(tiny_config(), str(where))
+  try:
+    with pytest.raises(ValueError, match=rf"No checkpoint in {where}/{finetune.BEST} can be read "
+                       rf"\(step {step.name}: .+\)\. Nothing was changed\. Move {where}/"
+                       rf"{finetune.BEST} away to go on fine-tuning without it"):
+      trainer.restore()
+  finally:
+    trainer.metrics.close()
+  assert step.is_dir() and not (where / f"{finetune.BEST}-damaged").exists()

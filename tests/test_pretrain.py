@@ -333,6 +333,56 @@ def test_refresher_killed_midway_then_trainer_picks_up_complete_indexes(tmp_path
   assert found is not None and found.endswith("index-00000006")
 
 
+def test_refresher_refuses_a_workdir_no_trainer_runs_in(tmp_path, monkeypatch):
+  """experiments/refresh_index.py on a new or misspelt --workdir built data/ there, then waited
+  silently forever: refused, naming the flag, once no trainer wrote its config.json in the grace
+  time (0 here), with nothing built."""
+  from realm_jax.configs.pretrain import get_config
+  from realm_jax.train import refresher
+  monkeypatch.setattr(refresher, "CONFIG_WAIT_S", 0.0, raising=False)
+  workdir = tmp_path / "pretrian_demo"
+  with pytest.raises(FileNotFoundError, match=rf"--workdir={re.escape(str(workdir))}: no "
+                     r"pre-training run there .*Start experiments/pretrain.py with the same flags"):
+    refresher.run_refresher(get_config("tiny"), str(workdir), poll_seconds=0, stop_after_idle_s=0)
+  assert not workdir.exists()
+
+
+def test_refresher_waits_for_a_starting_trainer_and_says_what_it_waits_for(tmp_path, data_dir,
+                                                                          monkeypatch, caplog):
+  """Started together with its trainer, the refresher waits for the trainer's config.json, saying
+  so; then, while no checkpoint comes, it says what it waits for and where: once, and again every
+  REMIND_EVERY_S, not at each poll."""
+  import logging
+  import threading
+  from realm_jax.configs.pretrain import get_config
+  from realm_jax.io_utils import write_json
+  from realm_jax.train import refresher
+  config = get_config("tiny")
+  config.data_dir = data_dir
+  workdir = tmp_path / "w"
+  monkeypatch.setattr(refresher, "CONFIG_WAIT_S", 120.0, raising=False)
+  monkeypatch.setattr(refresher, "REMIND_EVERY_S", 3600.0, raising=False)
+  trainer = threading.Timer(1.0, lambda: write_json(workdir / "config.json",
+                                                   json.loads(config.to_json())))
+  trainer.start()
+  caplog.set_level(logging.INFO)
+  try:
+    assert refresher.run_refresher(config, str(workdir), poll_seconds=0.01,
+                                   stop_after_idle_s=1.0) == 0
+  finally:
+    trainer.cancel()
+  said = [r.getMessage() for r in caplog.records]
+  assert any(m.startswith(f"No trainer config {workdir}/config.json yet: waiting up to 120 s")
+             for m in said), said
+  waiting = f"Waiting for the trainer's first checkpoint in {workdir}/checkpoints (none yet"
+  assert [m for m in said if m.startswith("Waiting for")] == [
+      f"{waiting}; the trainer saves one every {config.checkpoint_every} steps)."]  # ~100 polls
+  caplog.clear()
+  monkeypatch.setattr(refresher, "REMIND_EVERY_S", 0.05)
+  refresher.run_refresher(config, str(workdir), poll_seconds=0.01, stop_after_idle_s=1.0)
+  assert len([r for r in caplog.records if r.getMessage().startswith(waiting)]) >= 2
+
+
 def test_watcher_keeps_the_current_index_when_a_new_one_is_corrupt(tmp_path, data_dir,
                                                                    uninterrupted, caplog):
   """An index directory that looks complete but whose arrays are damaged: the trainer's watcher
@@ -366,3 +416,105 @@ def test_watcher_keeps_the_current_index_when_a_new_one_is_corrupt(tmp_path, dat
   assert "Could not load the index" in caplog.text and "index-00000009" in caplog.text
   assert watcher.poll() is None and watcher._pending is None  # not retried in a loop
   watcher.close()
+
+
+def test_a_second_run_on_a_held_workdir_is_refused_and_the_first_runs_as_alone(
+    tmp_path, data_dir, uninterrupted):
+  """Two pre-training runs on one workdir (another learning rate) would interleave checkpoints,
+  metrics.jsonl and config.json: the second is refused with one `error:` line naming the first,
+  which ends as if it had run alone. The first is stopped (SIGSTOP) once it has started writing
+  there, so the second certainly starts while the first holds the workdir."""
+  import socket
+  workdir = tmp_path / "w"
+  first = run(str(workdir), data_dir, wait=False)
+  deadline = time.time() + 300
+  while not (workdir / "config.json").exists():  # written once the run holds the workdir
+    assert first.poll() is None, first.stdout.read()[-3000:]
+    assert time.time() < deadline
+    time.sleep(0.05)
+  os.kill(first.pid, signal.SIGSTOP)
+  try:
+    code, out = run(str(workdir), data_dir, "--config.learning_rate=0.5")
+  finally:
+    os.kill(first.pid, signal.SIGCONT)
+  errors = [line for line in out.splitlines() if line.startswith("error:")]
+  assert code == 2 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
+  assert f"is in use by another run (process {first.pid} on {socket.gethostname()}, started " \
+         in errors[0] and "experiments/pretrain.py" in errors[0], errors
+  first_out, _ = first.communicate(timeout=600)
+  assert first.returncode == 0, first_out[-3000:]
+  assert json.loads((workdir / "config.json").read_text()) == json.loads(
+      open(os.path.join(uninterrupted, "config.json")).read())
+  timeless = lambda rows: [{k: v for k, v in r.items() if k != "examples_per_s"} for r in rows]
+  assert timeless(read_rows(workdir)) == timeless(read_rows(uninterrupted))
+  assert complete_checkpoints(workdir) == complete_checkpoints(uninterrupted)
+  got, want = final_params(str(workdir), 6), final_params(uninterrupted, 6)
+  assert [p for p, _ in got] == [p for p, _ in want]
+  for (path, a), (_, b) in zip(got, want):
+    np.testing.assert_array_equal(a, b, err_msg=str(path))
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_before_it(
+    tmp_path, data_dir, uninterrupted):
+  """A data file deleted inside the newest checkpoint (6): the run warns, naming it, moves it to
+  checkpoints-damaged/ (kept, out of orbax's sight), resumes from step 4, saves step 6 afresh
+  and ends with the uninterrupted parameters."""
+  import shutil
+  workdir = tmp_path / "w"
+  shutil.copytree(uninterrupted, workdir)
+  state = workdir / "checkpoints" / "6" / "state"
+  biggest = max((p for p in state.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  biggest.unlink()  # the array data (MBs of embeddings)
+  code, out = run(str(workdir), data_dir)
+  assert code == 0, out[-3000:]
+  aside = list((workdir / "checkpoints-damaged").iterdir())
+  assert [p.name.split("-")[0] for p in aside] == ["6"]
+  assert re.search(rf"The checkpoint {workdir}/checkpoints/6 is damaged \(.+\): step 4 is used "
+                   rf"instead; it is kept at {aside[0]} ", out), out[-3000:]
+  assert re.findall(r"Restored step (\d+)", out) == ["4"]
+  assert not (aside[0] / biggest.relative_to(workdir / "checkpoints" / "6")).exists()
+  assert (aside[0] / "meta" / "metadata").exists()  # the rest of it is still there
+  assert complete_checkpoints(workdir) == complete_checkpoints(uninterrupted)
+  got, want = final_params(str(workdir), 6), final_params(uninterrupted, 6)
+  for (path, a), (_, b) in zip(got, want):
+    np.testing.assert_array_equal(a, b, err_msg=str(path))
+
+
+# TensorStore's reads that end after a failed restore call back into orbax's closed event loop;
+# restore_latest drops that noise, but pytest puts its own unraisablehook back at each test phase.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_restore_tells_damaged_checkpoints_from_another_model(tmp_path, caplog):
+  """Damaged checkpoints are passed over (a reader leaves them where they are); none left that
+  reads is one error naming the directory, changing nothing; a checkpoint of another model is
+  the error it always was, even behind a damaged one, never passed over."""
+  import jax
+  import jax.numpy as jnp
+  from realm_jax.train import checkpoints
+  directory = tmp_path / "checkpoints"
+  state = {"params": {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(4)},
+           "step": jnp.zeros((), jnp.int32)}
+  manager = checkpoints.checkpoint_manager(str(directory), asynchronous=False, data=False)
+  for step in (2, 4, 6):
+    checkpoints.save(manager, step, jax.tree.map(lambda x, s=step: x + s, state), {"step": step})
+
+  def damage(step):
+    for f in (directory / str(step) / "state").rglob("*"):
+      if f.is_file() and f.parent.name == "d":
+        f.unlink()
+
+  damage(6)
+  got, meta = checkpoints.restore_latest(manager, state, set_aside=False)
+  assert meta == {"step": 4} and float(got["params"]["w"][0, 0]) == 4.0
+  assert f"The checkpoint {directory}/6 is damaged" in caplog.text
+  assert "step 4 is used instead; it is left as it is" in caplog.text
+  other = {**state, "params": {"w": jnp.zeros((3, 5)), "b": jnp.ones(4)}}
+  with pytest.raises(ValueError, match=rf"checkpoint at {directory}/4 does not fit this run's "
+                     r"model \(params/w is \(3, 4\) there, \(3, 5\) here\)"):
+    checkpoints.restore_latest(manager, other)
+  damage(4)
+  damage(2)
+  with pytest.raises(ValueError, match=rf"No checkpoint in {directory} can be read \(step 6: "
+                     r".+; step 4: .+; step 2: .+\)\. Nothing was changed\. Restore "):
+    checkpoints.restore_latest(manager, state)
+  assert sorted(os.listdir(directory)) == ["2", "4", "6"]
+  assert not (tmp_path / "checkpoints-damaged").exists()

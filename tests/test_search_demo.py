@@ -149,3 +149,56 @@ def test_bad_questions_and_k_fail_before_the_index_is_built(tmp_path):
     with pytest.raises(ValueError, match=match):
       search_demo.run(str(tmp_path / "work"), questions, k, config=get_config("tiny"))
   assert not (tmp_path / "work").exists()  # nothing built
+
+
+def _files(root):
+  """{path: (mtime_ns, size)} of everything under `root` (a directory's mtime changes when an
+  entry is added, removed or renamed in it)."""
+  import os
+  out = {}
+  for folder, dirs, files in os.walk(root):
+    for name in dirs + files:
+      path = os.path.join(folder, name)
+      st = os.lstat(path)
+      out[os.path.relpath(path, root)] = (st.st_mtime_ns, st.st_size)
+  return out
+
+
+def _set_writable(root, writable):
+  import os
+  import stat
+  for folder, dirs, files in os.walk(root):
+    for path in [folder] + [os.path.join(folder, n) for n in files]:
+      mode = os.stat(path).st_mode
+      os.chmod(path, mode | stat.S_IWUSR if writable else mode & ~0o222)
+
+
+def test_a_built_workdir_is_only_read(articles, tmp_path):
+  """experiments/search_demo.py published its unchanged index again at every run, so it failed in
+  a read-only work directory. Run again with the same settings it writes nothing, and runs with
+  the directory made read-only (as root, whom chmod does not stop, nothing in it may change). A
+  new max_length builds the index again; so does going back (its embeddings are kept, but the
+  index then holds the other ones)."""
+  import os
+  from realm_jax.configs.build_index import get_config
+  from realm_jax.retrieval import search_demo
+  from realm_jax.retrieval.index import latest_index_dir, read_manifest
+  workdir, question = tmp_path / "work", ["who painted the mona lisa"]
+  titles = lambda config: [t for t, _ in search_demo.run(str(workdir), question, 3, config)[0]]
+  save_id = lambda: read_manifest(latest_index_dir(workdir / "index"))["save_id"]
+  first = titles(get_config("tiny"))
+  built, before = save_id(), _files(workdir)
+  if os.geteuid() != 0:
+    _set_writable(workdir, False)
+  try:
+    assert titles(get_config("tiny")) == first
+  finally:
+    _set_writable(workdir, True)
+  assert _files(workdir) == before
+  shorter = get_config("tiny")
+  shorter.max_length = 32
+  titles(shorter)
+  assert save_id() != built
+  shorter_id = save_id()
+  assert titles(get_config("tiny")) == first
+  assert save_id() not in (built, shorter_id)

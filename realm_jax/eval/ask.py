@@ -27,7 +27,9 @@ def load_system(workdir: str):
   """(OpenQa, meta) of the best fine-tuned model in `workdir`, its jitted functions compiled.
 
   Raises FileNotFoundError (with what to run) when `workdir` has no config.json, no index or no
-  fine-tuned model; the index is never built here.
+  fine-tuned model; the index is never built here. A damaged model (files of best/ missing or
+  unreadable) is a ValueError naming best/ and what to do, or, when an older kept model reads,
+  that one with a warning; nothing in `workdir` is changed.
   """
   from realm_jax.train.finetune import QaSetup, check_best, check_index, load_workdir_config
   config = load_workdir_config(workdir)
@@ -47,7 +49,8 @@ def load_system(workdir: str):
 
 
 def answer_one(system, question: str, top_k: int | None = None) -> tuple[dict, float]:
-  """(prediction, seconds) for one question, its evidence cut to the first `top_k` blocks."""
+  """(prediction, seconds) for one question, its evidence cut to the first `top_k` blocks; a
+  ValueError, never an answer, when its scores are not finite (a damaged index or checkpoint)."""
   question = check_question(question)
   start = time.perf_counter()
   pred = system.answer([question])[0]
@@ -85,7 +88,8 @@ def ask_loop(system, lines: TextIO, out: TextIO, err: TextIO, *, top_k: int | No
   """Answers the questions of `lines`, one a line, until EOF or "quit" / "exit".
 
   Prompts on `out` (on `err` with as_json, so that `out` holds only JSON lines). A question that
-  cannot be asked (empty, too long) is reported as `error: ...` on `err` and the loop goes on.
+  cannot be asked (empty, too long) or answered (non-finite scores) is reported as `error: ...`
+  on `err` and the loop goes on.
 
   Returns:
     The number of questions answered.

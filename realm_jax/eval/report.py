@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 
 from realm_jax import io_utils
 from realm_jax.eval.open_qa import evaluate_open_qa
@@ -45,15 +46,37 @@ def write_jsonl(path: str, rows) -> None:
   io_utils.write_text(path, text)
 
 
+def check_writable(out_dir: str) -> None:
+  """Makes `out_dir` (local or gs://) and writes and deletes a file in it, so that an output
+  directory that cannot be written fails before the evaluation, not after it.
+
+  Raises:
+    OSError naming the directory and what to do.
+  """
+  directory = io_utils.as_path(out_dir)
+  probe = directory / f".write-test-{uuid.uuid4().hex}"
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+    probe.write_bytes(b"")
+    probe.unlink()
+  except OSError as e:
+    raise OSError(
+        f"{out_dir} cannot be written ({e.strerror or e}); the predictions and results.json go "
+        "there. Make it writable (or move away a file that stands where one of its folders "
+        "should be), or evaluate a writable copy of the work directory.") from e
+
+
 def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: str | None = None,
                      params=None, progress: bool = True, recall_only=()) -> dict:
   """{system: {"em", "recall": {k: %}, "count", "seconds"}} on `questions`; predictions and a
-  results.json go to `out_dir` when given. `params`: the fine-tuned parameters (default: the best
-  checkpoint of the workdir). Systems in `recall_only` are not read (em None): reading is what
-  takes the time on a CPU."""
+  results.json go to `out_dir` when given (an `out_dir` that cannot be written fails first).
+  `params`: the fine-tuned parameters (default: the best checkpoint of the workdir). Systems in
+  `recall_only` are not read (em None): reading is what takes the time on a CPU."""
   unknown = [s for s in list(systems) + list(recall_only) if s not in SYSTEMS]
   if unknown:
     raise ValueError(f"Unknown systems {unknown}: use some of {SYSTEMS}.")
+  if out_dir:
+    check_writable(out_dir)
   if params is None:
     params, meta = setup.best_params()
     logging.info("Fine-tuned model: %s", meta)

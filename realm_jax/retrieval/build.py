@@ -5,16 +5,35 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
+
+from realm_jax import config_checks, workdir_lock
+from realm_jax.data.blocks import BLOCKINGS
 from realm_jax.data.corpus import Corpus, CorpusConfig
+from realm_jax.data.sources import SOURCES
 from realm_jax.data.qa import load_qa_jsonl
 from realm_jax.eval.retrieval import evaluate_retrieval
 from realm_jax.io_utils import as_path
 from realm_jax.retrieval.embed import embed_corpus
-from realm_jax.retrieval.index import DocIndex, index_options, latest_index_dir, publish_index
+from realm_jax.models.config import COMPUTE_DTYPES
+from realm_jax.retrieval.index import (DTYPES, SEARCHERS, DocIndex, index_options, index_path,
+                                       latest_index_dir, publish_index, read_manifest)
 from realm_jax.retrieval.towers import load_towers
 from realm_jax.text.tokenizer import TRUNCATIONS
 
 _AUTO = {"auto": None, "yes": True, "no": False}
+
+
+def check_settings(config, flag: str = "--config") -> None:
+  """Refuses index settings no build can use, naming the flag (`flag` is the prefix of this
+  config's flags: --config, or --config.retrieval inside fine-tuning's config)."""
+  config_checks.at_least(config, {"batch_size": 1, "max_length": 4, "shard_size": 1,
+                                  "corpus.block_length": 4, "corpus.max_docs": 0}, flag)
+  config_checks.one_of(config, {
+      "truncate": TRUNCATIONS, "pooling": ("auto", "mean", "projected_cls"),
+      "normalize": tuple(_AUTO), "dtype": COMPUTE_DTYPES, "corpus.source": SOURCES,
+      "corpus.blocking": BLOCKINGS, "index.searcher": SEARCHERS, "index.dtype": tuple(DTYPES)},
+      flag)
 
 
 def towers_of(config):
@@ -34,9 +53,8 @@ def build_index(config, workdir: str, towers=None):
   """Corpus + weights -> `workdir/index/index-00000000` (published atomically). Returns
   (corpus, index, document tower). Every stage resumes: the corpus and finished embedding shards
   are reused. `towers`: already loaded `towers_of(config)`."""
+  check_settings(config)
   options = index_options(config.index)  # checked before the corpus is built and embedded
-  if config.truncate not in TRUNCATIONS:
-    raise ValueError(f"--config.truncate={config.truncate!r}: use one of {TRUNCATIONS}.")
   tower = (towers or towers_of(config))["document"]
   corpus = open_corpus(config, workdir, tower.tokenizer.vocab_file)
   fingerprint = f"{corpus.fingerprint}-{tower.fingerprint}-{config.max_length}-{config.truncate}"
@@ -45,10 +63,30 @@ def build_index(config, workdir: str, towers=None):
                      config.truncate, config.shard_size, config.batch_size,
                      fingerprint=fingerprint)
   index = DocIndex(emb, corpus.block_ids, **options)
-  path = publish_index(os.path.join(workdir, "index"), index, step=0,
-                       model_fingerprint=tower.fingerprint, corpus_fingerprint=corpus.fingerprint)
+  root = os.path.join(workdir, "index")
+  if _published(root, index, tower.fingerprint, corpus.fingerprint):
+    logging.info("The index in %s is current: nothing written.", root)
+    return corpus, index, tower
+  path = publish_index(root, index, step=0, model_fingerprint=tower.fingerprint,
+                       corpus_fingerprint=corpus.fingerprint)
   logging.info("Index of %d blocks x %d published at %s", len(corpus), emb.shape[1], path)
   return corpus, index, tower
+
+
+def _published(root: str, index: DocIndex, model_fingerprint: str, corpus_fingerprint: str) -> bool:
+  """Whether `root`'s newest index is step 0 and holds exactly `index` (same blocks, weights,
+  dtype and rows: max_length and truncate show in the rows), so that a run with unchanged
+  settings writes nothing and works in a read-only directory."""
+  path = latest_index_dir(root)
+  if path != index_path(root, 0):  # none yet, or a training run's
+    return False
+  manifest = read_manifest(path)
+  if (manifest["corpus_fingerprint"], manifest["model_fingerprint"], manifest["dtype"]) != (
+      corpus_fingerprint, model_fingerprint, index.dtype.name):
+    return False
+  stored = DocIndex.load(path)
+  return (np.array_equal(stored.block_ids, index.block_ids)
+          and np.array_equal(stored.embeddings(), index.embeddings()))
 
 
 def load_built_index(config, workdir: str, towers=None):
@@ -70,6 +108,8 @@ def load_built_index(config, workdir: str, towers=None):
 
 def build_and_evaluate(config, workdir: str) -> dict | None:
   """`build_index`, then recall@k on `config.eval.questions` when given."""
+  config_checks.workdir(workdir)
+  check_settings(config)
   if as_path(os.path.join(workdir, "checkpoints")).exists():
     raise ValueError(
         f"{workdir} holds a training run (checkpoints/): building an index there would replace "
@@ -83,7 +123,8 @@ def build_and_evaluate(config, workdir: str) -> dict | None:
     raise ValueError(f"--config.eval.ks={ks}: give the k of recall@k as positive integers, "
                      "e.g. --config.eval.ks='(1, 5, 20)'.")
   towers = towers_of(config)
-  corpus, index, _ = build_index(config, workdir, towers)
+  with workdir_lock.hold(workdir):  # one writer per workdir (a trainer, or another build)
+    corpus, index, _ = build_index(config, workdir, towers)
   if questions is None:
     return None
   if max(ks) > len(corpus):

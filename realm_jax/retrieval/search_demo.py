@@ -3,12 +3,14 @@
 Builds (or reuses) the `wiki_vital_minilm` index: every article as the segment pair (title, text)
 truncated to 256 word pieces, embedded with the real all-MiniLM-L6-v2 weights in the Flax BERT
 (mean pooling, L2-normalised), searched exactly. Then answers the questions with the top-k titles.
+Once built, a work directory is only read: it may be read-only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from realm_jax import config_checks
 from realm_jax.configs import build_index as build_index_configs
 from realm_jax.eval.retrieval import embed_questions
 from realm_jax.retrieval import build
@@ -35,9 +37,12 @@ def search(tower, index, corpus, questions: Sequence[str], k: int = 5):
 
 
 def run(workdir: str, questions: Sequence[str], k: int = 5, config=None):
-  """Builds the index in `workdir` (reusing what is there) and prints the top-k titles."""
+  """Builds the index in `workdir` unless the one there is current (`build.build_index`), then
+  prints the top-k titles. An unchanged work directory is only read."""
   check_questions(questions, k)  # before minutes of embedding
   config = config or build_index_configs.get_config("wiki_vital_minilm")
+  config_checks.workdir(workdir)
+  build.check_settings(config)
   towers = build.towers_of(config)
   corpus, index, _ = build.build_index(config, workdir, towers)
   results = search(towers["query"], index, corpus, questions, k)

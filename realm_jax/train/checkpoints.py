@@ -5,18 +5,29 @@ A run resumes from its work directory by itself: `restore_latest` returns the ne
 step (orbax finalises a step by an atomic rename, or in GCS by writing a commit_success file last,
 so a run killed while saving leaves at worst an ignored unfinished step). Orbax takes gs://
 directories itself: arrays through TensorStore's GCS driver, the rest through etils.epath.
+
+A finished step can still be damaged afterwards (a file deleted or truncated, a disk or bucket
+mishap). `restore_latest` then falls back to the newest step that reads, and moves the damaged
+ones to `<directory>-damaged/<step>-<time>`: never deleted, but out of orbax's sight, so that
+neither the next resume nor the index refresher takes them for the latest, orbax's max_to_keep
+does not count or delete them, and the run saves those steps afresh as it gets there. A
+checkpoint of another model (another config) is an error, never passed over.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 
 import grain
 import grain.checkpoint  # noqa: F401
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+from realm_jax import distributed
 from realm_jax.io_utils import absolute, as_path, read_json
 
 
@@ -38,28 +49,160 @@ def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, data_iter
   return manager.save(step, args=ocp.args.Composite(**items), force=force)
 
 
-def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None):
-  """(state, meta) of the newest checkpoint, restoring `data_iterator` in place; None if none.
+def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None, *,
+                   set_aside: bool = True, hint: str = ""):
+  """(state, meta) of the newest usable checkpoint, restoring `data_iterator` in place; None if
+  there is no checkpoint.
 
-  `state` is a template with the shapes and shardings to restore into. A checkpoint made with
-  another model config is a clear error.
+  `state` is a template with the shapes and shardings to restore into. A damaged checkpoint
+  (files missing or unreadable) is passed over, with a warning, for the one before it; with
+  `set_aside` (a run that goes on writing there) the damaged ones are then moved aside (see the
+  module docstring), else left as they are (a reader). Raises ValueError, changing nothing, when
+  a checkpoint was made for another model (another config), or when none of them reads (naming
+  the directory and each one's problem, then `hint`: what the user can do).
   """
-  step = manager.latest_step()
-  if step is None:
-    return None
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
   if data_iterator is not None:
     items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+  damaged = []  # (step, problem), newest first
+  for step in sorted(manager.all_steps(), reverse=True):
+    problem = _unreadable_or_misfit(manager, step, abstract)
+    if problem is None:
+      previous = sys.unraisablehook
+      sys.unraisablehook = _dropping_late_reads(previous)
+      try:
+        restored = manager.restore(step, args=ocp.args.Composite(**items))
+        sys.unraisablehook = previous  # every read is done: none can call back late
+      except Exception as e:  # noqa: BLE001  (orbax wraps TensorStore's errors in Exception)
+        if _read_error(e) is None:
+          raise
+        problem = _reason(_read_error(e))  # the model fits: a file is missing or unreadable
+    # Every host goes on with the same step (they read the same files, but not all of them).
+    if not distributed.allgather_rows(np.array([problem is None], np.int8)).all():
+      damaged.append((step, problem or "unreadable on another host"))
+      continue
+    if damaged:
+      _passed_over(manager, damaged, step, set_aside)
+    logging.info("Restored step %d from %s", step, manager.directory)
+    return restored["state"], restored["meta"]
+  if not damaged:
+    return None
+  listed = "; ".join(f"step {s}: {p}" for s, p in damaged)
+  raise ValueError(
+      f"No checkpoint in {manager.directory} can be read ({listed}). Nothing was changed. "
+      + (hint or f"Restore {manager.directory} from a backup, or move it away to start the run "
+         "from step 0."))
+
+
+def _unreadable_or_misfit(manager: ocp.CheckpointManager, step: int, abstract) -> str | None:
+  """Why checkpoint `step` is damaged by its saved tree (None: its tree reads and fits);
+  ValueError when it reads but holds another model: that is the user's config, not damage."""
   try:
-    restored = manager.restore(step, args=ocp.args.Composite(**items))
-  except (ValueError, KeyError, TypeError) as e:
+    saved = manager.item_metadata(step)["state"]
+  except _READ_ERRORS as e:
+    return _reason(e)
+  if saved is None:  # no tree metadata (orbax restores without it): the restore tells
+    return None
+  misfit = _misfit(getattr(saved, "tree", saved), abstract)
+  if misfit:
     raise ValueError(
-        f"The checkpoint at {manager.directory}/{step} does not fit this run's model ({e}). It was "
-        "probably made with another config: use another --workdir, or the config it was made "
-        "with.") from e
-  logging.info("Restored step %d from %s", step, manager.directory)
-  return restored["state"], restored["meta"]
+        f"The checkpoint at {manager.directory}/{step} does not fit this run's model ({misfit}). "
+        "It was probably made with another config: use another --workdir, or the config it was "
+        "made with.")
+  return None
+
+
+def _misfit(saved, abstract) -> str:
+  """How the arrays of a saved tree differ from the model's ("" when their paths and shapes
+  agree; dtypes are orbax's to cast)."""
+  def shapes(tree):
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+  have, want = shapes(saved), shapes(abstract)
+  missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+  some = lambda keys: ", ".join(keys[:2]) + (", ..." if len(keys) > 2 else "")
+  if missing or extra:
+    return "; ".join(
+        ([f"{len(missing)} of the model's arrays are not there ({some(missing)})"] if missing
+         else []) +
+        ([f"it holds {len(extra)} arrays the model lacks ({some(extra)})"] if extra else []))
+  differ = [k for k in want if want[k] != have[k]]
+  return f"{differ[0]} is {have[differ[0]]} there, {want[differ[0]]} here" if differ else ""
+
+
+def _key_name(key) -> str:
+  """A tree key as orbax names it on disk (dict key, attribute name or sequence index)."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+# What reading a damaged checkpoint raises: files missing (OSError), unreadable or cut short
+# (TensorStore's ValueError), metadata that does not parse (ValueError, KeyError, TypeError).
+_READ_ERRORS = (OSError, ValueError, KeyError, TypeError)
+
+
+def _read_error(e: BaseException) -> BaseException | None:
+  """The first read error in the chain of `e` (orbax raises a bare Exception from it); None when
+  there is none: then `e` is not about the checkpoint's files."""
+  while e is not None:
+    if isinstance(e, _READ_ERRORS):
+      return e
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def _dropping_late_reads(previous):
+  """`previous` (a sys.unraisablehook) without the noise of a failed restore: when one read fails,
+  orbax closes its event loop while TensorStore's other reads are under way, and each of them,
+  done, calls back into the closed loop; Python prints that RuntimeError's traceback at any time
+  up to the exit, around the one clear message. Every other unraisable exception still prints."""
+  if getattr(previous, "drops_late_reads", False):
+    return previous
+
+  def hook(unraisable):
+    e = unraisable.exc_value
+    if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook.drops_late_reads = True
+  return hook
+
+
+def _reason(e: BaseException) -> str:
+  """An exception as a short clause: TensorStore's errors end in pages of JSON spec."""
+  text = " ".join(str(e).split("[tensorstore_spec")[0].split())
+  return f"{type(e).__name__}: {text[:300]}"
+
+
+def _passed_over(manager: ocp.CheckpointManager, damaged: list[tuple[int, str]], used: int,
+                 set_aside: bool) -> None:
+  """Warns about the damaged steps newer than the `used` one; moves them aside if `set_aside`."""
+  aside = as_path(f"{manager.directory}-damaged")
+  stamp = time.strftime("%Y%m%dT%H%M%S")
+  for step, problem in damaged:
+    where = manager.directory / str(step)
+    if set_aside:
+      to = aside / f"{step}-{stamp}"
+      if jax.process_index() == 0:
+        try:
+          aside.mkdir(parents=True, exist_ok=True)
+          where.rename(to)
+        except OSError as e:
+          raise OSError(f"Could not move the damaged checkpoint {where} to {to} ({e}): move it "
+                        "yourself, then resume.") from e
+      fate = (f"it is kept at {to} (delete it when you no longer need it); step {step} is saved "
+              "again when the run gets there")
+    else:
+      fate = "it is left as it is"
+    logging.warning("The checkpoint %s is damaged (%s): step %d is used instead; %s.",
+                    where, problem, used, fate)
+  if set_aside:
+    distributed.sync("realm_jax:damaged_checkpoints")
+    manager.reload()  # orbax forgets the moved steps
 
 
 def indexes_in_use(directory: str) -> set[str]:

@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from realm_jax import config_checks, workdir_lock
 from realm_jax.checkpoints import detect_kind, from_hf_state_dict, load_minilm, read_state_dict
 from realm_jax.data.corpus import CorpusConfig
 from realm_jax.data.qa import load_questions, split_by_hash
@@ -63,15 +64,22 @@ def dev_key(dev: dict) -> tuple[float, float]:
   return dev.get("em", 0.0), dev.get("recall_5", 0.0)
 
 
-def best_record(manager: ocp.CheckpointManager) -> dict | None:
+def best_record(manager: ocp.CheckpointManager, params) -> dict | None:
   """{"dev_em", "dev_recall", "step"} of the model a best/ manager holds, from the meta saved with
-  it (its parameters are not read); None when it holds none."""
-  step = manager.latest_step()
-  if step is None:
+  it; None when it holds none.
+
+  Its parameters are read too (into the template `params`, then dropped), so that a damaged model
+  shows now, not when it is asked: it is passed over for an older one and set aside, or, when it
+  is the only one, a ValueError saying what to do (see checkpoints.restore_latest).
+  """
+  got = checkpoints.restore_latest(manager, params, hint=(
+      f"Move {manager.directory} away to go on fine-tuning without it (the next dev evaluation is "
+      "then kept as the best), or restore it from a backup."))
+  if got is None:
     return None
-  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  meta = got[1]
   em, recall = dev_key(meta)
-  return {"dev_em": em, "dev_recall": recall, "step": int(meta.get("step", step))}
+  return {"dev_em": em, "dev_recall": recall, "step": int(meta["step"])}
 
 
 # ------------------------------------------------------------------------------------ questions
@@ -88,7 +96,7 @@ def split_questions(config) -> dict[str, list[dict]]:
   rest, test = split_by_hash(questions, d.test_percent, f"{d.seed}/test")
   train, dev = split_by_hash(rest, d.dev_percent, f"{d.seed}/dev")
   if not train or not dev:
-    raise ValueError(f"config.data gives {len(train)} training and {len(dev)} dev questions: use "
+    raise ValueError(f"--config.data gives {len(train)} training and {len(dev)} dev questions: use "
                      "more questions (config.data.splits / limit) or other percentages.")
   return {"train": train, "dev": dev, "test": test}
 
@@ -104,7 +112,7 @@ def load_reader(config) -> tuple[RealmReader, dict, str]:
   else:
     if not w or not as_path(w).is_dir():
       raise FileNotFoundError(
-          f"config.reader_weights={w!r} is not a directory: pass 'minilm' or a HF checkpoint "
+          f"--config.reader_weights={w!r} is not a directory: pass 'minilm' or a HF checkpoint "
           "directory (config.json + model.safetensors + vocab.txt) of a REALM reader, a REALM "
           "knowledge-augmented encoder (e.g. a pre-training export) or a BERT.")
     state = read_state_dict(w)
@@ -117,7 +125,7 @@ def load_reader(config) -> tuple[RealmReader, dict, str]:
                                       max_span_width=config.max_span_width)
   if config.reader_layers:
     if config.reader_layers > model_config.num_hidden_layers:
-      raise ValueError(f"config.reader_layers={config.reader_layers} is more than the "
+      raise ValueError(f"--config.reader_layers={config.reader_layers} is more than the "
                        f"{model_config.num_hidden_layers} layers of {w}.")
     model_config = model_config.replace(num_hidden_layers=config.reader_layers)
   reader = RealmReader(model_config)
@@ -196,10 +204,13 @@ class QaSetup:
                   batch_size=self.config.eval_batch_size)
 
   def best_params(self) -> tuple[dict, dict]:
-    """(parameters, meta) of the best checkpoint in `workdir/best`; FileNotFoundError if none."""
+    """(parameters, meta) of the best checkpoint in `workdir/best`; FileNotFoundError if none,
+    ValueError if it is damaged (an older one that reads is used instead, with a warning; nothing
+    is moved: this only reads)."""
     manager = checkpoints.checkpoint_manager(os.path.join(self.workdir, BEST), keep=1,
                                              asynchronous=False, data=False)
-    got = checkpoints.restore_latest(manager, self.init_params)
+    got = checkpoints.restore_latest(manager, self.init_params, set_aside=False, hint=(
+        f"Restore {manager.directory} from a backup, or fine-tune again with another --workdir."))
     if got is None:
       raise FileNotFoundError(
           f"{self.workdir}/{BEST} holds no fine-tuned model: run experiments/finetune.py "
@@ -231,8 +242,8 @@ def qa_optimizer(config) -> tuple[dict, optax.GradientTransformation]:
   all config.num_steps; the reader's starts after the config.retriever_steps retriever-only steps
   (its own warmup, then linear decay to the end), each part clipped on its own."""
   if not 0 <= config.retriever_steps < config.num_steps:
-    raise ValueError(f"config.retriever_steps={config.retriever_steps} must be in [0, "
-                     f"config.num_steps={config.num_steps}).")
+    raise ValueError(f"--config.retriever_steps={config.retriever_steps} must be in [0, "
+                     f"--config.num_steps={config.num_steps}).")
   warmup = None if config.warmup_steps < 0 else config.warmup_steps
   schedules = {
       "query_tower": optimizer.bert_schedule(config.learning_rate, config.num_steps, warmup),
@@ -253,11 +264,11 @@ def check_counts(config) -> None:
                 "data.limit": "every question"}
   for key in positive:
     if config[key] < 1:
-      raise ValueError(f"config.{key}={config[key]}: must be at least 1.")
+      raise ValueError(f"--config.{key}={config[key]}: must be at least 1.")
   for key, meaning in zero_means.items():
     value = config.data.limit if key == "data.limit" else config[key]
     if value < 0:
-      raise ValueError(f"config.{key}={value}: must be at least 0 (0 = {meaning}).")
+      raise ValueError(f"--config.{key}={value}: must be at least 0 (0 = {meaning}).")
 
 
 class QaTrainer:
@@ -266,11 +277,11 @@ class QaTrainer:
   def __init__(self, config, workdir: str):
     check_counts(config)
     if config.batch_size % jax.device_count():
-      raise ValueError(f"config.batch_size={config.batch_size} is not divisible by the "
+      raise ValueError(f"--config.batch_size={config.batch_size} is not divisible by the "
                        f"{jax.device_count()} devices: pick a multiple.")
     if config.reader_blocks > config.beam:
-      raise ValueError(f"config.reader_blocks={config.reader_blocks} is more than "
-                       f"config.beam={config.beam}: the read blocks are the beam's first ones.")
+      raise ValueError(f"--config.reader_blocks={config.reader_blocks} is more than "
+                       f"--config.beam={config.beam}: the read blocks are the beam's first ones.")
     # The questions, the weights, the corpus files and the index settings are checked before
     # config.json is written: a config refused for a typo must not become the workdir's.
     self.splits = split_questions(config)
@@ -284,7 +295,7 @@ class QaTrainer:
     self.config, self.workdir = config, workdir
     self.setup = QaSetup(config, workdir, towers=towers, reader=reader)
     if config.beam > len(self.setup.corpus):
-      raise ValueError(f"config.beam={config.beam} is more than the {len(self.setup.corpus)} "
+      raise ValueError(f"--config.beam={config.beam} is more than the {len(self.setup.corpus)} "
                        "blocks of the corpus.")
     check_ks(config.ks, len(self.setup.corpus))  # now, not at the first dev evaluation
     logging.info("Questions: %s", {k: len(v) for k, v in self.splits.items()})
@@ -400,8 +411,8 @@ class QaTrainer:
       self.state, meta = got
       self.position = meta["position"]
       self.seen = meta.get("seen", 0)
+    self.best = best_record(self.best_manager, self.state.params) or dict(NO_BEST)
     self.metrics.resume_at(int(self.state.step))
-    self.best = best_record(self.best_manager) or dict(NO_BEST)
 
   def keep_best(self, step: int, meta: dict) -> bool:
     """Saves the parameters to best/ as `step` (synchronously; the older model goes once it is
@@ -483,4 +494,7 @@ class QaTrainer:
 
 def finetune(config, workdir: str) -> dict:
   """Fine-tunes to config.num_steps (resuming from `workdir`); returns the best dev result."""
-  return QaTrainer(config, workdir).run()
+  config_checks.workdir(workdir)
+  build.check_settings(config.retrieval, "--config.retrieval")
+  with workdir_lock.hold(workdir):  # before anything is written there: one run per workdir
+    return QaTrainer(config, workdir).run()

@@ -31,11 +31,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from realm_jax import config_checks, workdir_lock
 from realm_jax.checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
 from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.pretrain import is_heldout
 from realm_jax.io_utils import as_path, atomic_write_dir, is_remote
-from realm_jax.models.config import RealmConfig
+from realm_jax.data.blocks import BLOCKINGS
+from realm_jax.data.sources import SOURCES
+from realm_jax.models.config import COMPUTE_DTYPES, RealmConfig
 from realm_jax.models.retriever import RealmRetriever
 from realm_jax.retrieval.build import open_corpus
 from realm_jax.text import BertTokenizer, join_bert
@@ -194,18 +197,18 @@ def build_retriever(config) -> tuple[RealmRetriever, RealmConfig, str]:
   directory with config.json, model.safetensors, vocab.txt) or "random" (config.model).
   """
   if config.init not in INITS:
-    raise ValueError(f"config.init={config.init!r}: use one of {INITS}.")
+    raise ValueError(f"--config.init={config.init!r}: use one of {INITS}.")
   from realm_jax.checkpoints.minilm import minilm_dir
   if config.init == "minilm":
     model_config = RealmConfig.from_json_file(os.path.join(minilm_dir(), "config.json"))
     vocab = os.path.join(minilm_dir(), "vocab.txt")
   elif config.init == "bert":
     if not config.bert_weights:
-      raise ValueError("config.init='bert' needs config.bert_weights: a HF BERT directory "
+      raise ValueError("--config.init='bert' needs --config.bert_weights: a HF BERT directory "
                        "(config.json, model.safetensors, vocab.txt).")
     if not as_path(config.bert_weights).is_dir():
       raise FileNotFoundError(
-          f"config.bert_weights={config.bert_weights} is not a directory: pass a HF BERT "
+          f"--config.bert_weights={config.bert_weights} is not a directory: pass a HF BERT "
           "directory (config.json, model.safetensors, vocab.txt).")
     model_config = RealmConfig.from_json_file(os.path.join(config.bert_weights, "config.json"))
     vocab = config.vocab_file or os.path.join(config.bert_weights, "vocab.txt")
@@ -338,7 +341,7 @@ class ICTTrainer:
 
   def __init__(self, config, workdir: str):
     if config.batch_size % jax.device_count():
-      raise ValueError(f"config.batch_size={config.batch_size} is not divisible by the "
+      raise ValueError(f"--config.batch_size={config.batch_size} is not divisible by the "
                        f"{jax.device_count()} devices: pick a multiple.")
     self.config, self.workdir = config, workdir
     self.export_dir = config.export_dir or os.path.join(workdir, "export")
@@ -397,7 +400,7 @@ class ICTTrainer:
       raise ValueError(
           f"The held-out blocks of {self.corpus.data_dir} do not fill one batch of "
           f"{self.host_batch}: raise config.heldout_percent, lower config.batch_size, or set "
-          "config.eval_every=0.")
+          "--config.eval_every=0.")
     return {k: float(v) / n for k, v in sums.items()}
 
   def log(self, step: int, metrics: dict[str, float], prefix: str):
@@ -478,5 +481,18 @@ class ICTTrainer:
 def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   """ICT to config.num_steps (resuming from `workdir`), then the export; returns the last
   held-out metrics."""
+  check_run_settings(config, workdir)
   maybe_initialize_distributed(config.distributed)
-  return ICTTrainer(config, workdir).run()
+  with workdir_lock.hold(workdir):  # before anything is written there: one run per workdir
+    return ICTTrainer(config, workdir).run()
+
+
+def check_run_settings(config, workdir: str) -> None:
+  """Refuses settings no run can use, naming the flag, before weights, corpus or compiling."""
+  config_checks.workdir(workdir)
+  config_checks.at_least(config, {
+      "batch_size": 2, "num_steps": 1, "learning_rate": 0, "log_every": 1, "eval_every": 0,
+      "eval_batches": 1, "checkpoint_every": 1, "keep_checkpoints": 1, "max_bad_steps": 1,
+      "num_layers": 0, "corpus.block_length": 4, "corpus.max_docs": 0})
+  config_checks.one_of(config, {"init": INITS, "dtype": COMPUTE_DTYPES,
+                                "corpus.source": SOURCES, "corpus.blocking": BLOCKINGS})

@@ -72,7 +72,7 @@ def sized_model_config(config, model_config: RealmConfig) -> RealmConfig:
                                       chunk_tokens=int(config.get("chunk_tokens", 0)))
   if config.num_layers:
     if config.num_layers > model_config.num_hidden_layers:
-      raise ValueError(f"config.num_layers={config.num_layers} is more than the "
+      raise ValueError(f"--config.num_layers={config.num_layers} is more than the "
                        f"{model_config.num_hidden_layers} layers of the weights.")
     model_config = model_config.replace(num_hidden_layers=config.num_layers)
   return model_config
@@ -84,12 +84,12 @@ def retriever_model_config(config, model_config: RealmConfig) -> RealmConfig:
   e.g. 2 retriever layers beside 6 encoder layers)."""
   layers = config.get("retriever_num_layers", 0)
   if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
-    raise ValueError(f"config.retriever_num_layers={layers!r}: give 0 (as many layers as the "
+    raise ValueError(f"--config.retriever_num_layers={layers!r}: give 0 (as many layers as the "
                      "encoder) or a positive number of layers.")
   if not layers:
     return model_config
   if layers > model_config.num_hidden_layers:
-    raise ValueError(f"config.retriever_num_layers={layers} is more than the "
+    raise ValueError(f"--config.retriever_num_layers={layers} is more than the "
                      f"{model_config.num_hidden_layers} layers the encoder keeps "
                      "(config.num_layers or the weights); the retriever can only keep fewer.")
   return model_config.replace(num_hidden_layers=layers)
@@ -98,14 +98,17 @@ def retriever_model_config(config, model_config: RealmConfig) -> RealmConfig:
 def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
   """(models, model config, vocab file) for `config.init`, without weights."""
   if config.init not in INITS:
-    raise ValueError(f"config.init={config.init!r}: use one of {INITS}.")
+    raise ValueError(f"--config.init={config.init!r}: use one of {INITS}.")
   if config.init == "minilm":
     model_config = RealmConfig.from_json_file(os.path.join(minilm_dir(), "config.json"))
     vocab = os.path.join(minilm_dir(), "vocab.txt")
   elif config.init == "hf":
     for name in ("retriever_weights", "encoder_weights"):
       if not config.get(name):
-        raise ValueError(f"config.init='hf' needs config.{name}: a HF checkpoint directory.")
+        raise ValueError(f"--config.init=hf needs --config.{name}: a HF checkpoint directory.")
+      if not as_path(config[name]).is_dir():
+        raise FileNotFoundError(f"--config.{name}={config[name]}: no such directory; give a HF "
+                                "checkpoint directory (config.json and the weights).")
     model_config = RealmConfig.from_json_file(os.path.join(config.retriever_weights, "config.json"))
     vocab = os.path.join(config.retriever_weights, "vocab.txt")
     if not as_path(vocab).exists():
@@ -194,13 +197,13 @@ def init_params(config, models: RealmModels, model_config: RealmConfig, rng) -> 
   """
   head_init = config.get("mlm_transform_init", "random")
   if head_init not in MLM_TRANSFORM_INITS:
-    raise ValueError(f"config.mlm_transform_init={head_init!r}: use one of {MLM_TRANSFORM_INITS}.")
+    raise ValueError(f"--config.mlm_transform_init={head_init!r}: use one of {MLM_TRANSFORM_INITS}.")
   if config.init == "hf":
     encoder_keys = read_state_dict(config.encoder_weights).keys()
     kind = detect_kind(encoder_keys)
     has_head = kind == "encoder" or any(k.startswith(_MLM_HEAD) for k in encoder_keys)
     if has_head and head_init == "identity":
-      raise ValueError(f"config.mlm_transform_init='identity' would overwrite the MLM head of "
+      raise ValueError(f"--config.mlm_transform_init='identity' would overwrite the MLM head of "
                        f"{config.encoder_weights}; keep the default 'random' (only a new head "
                        "is initialised).")
   r1, r2 = jax.random.split(rng)

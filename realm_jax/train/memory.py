@@ -24,7 +24,8 @@ Per device (the state is replicated, the batch and the index are sharded over ev
 
 It is an estimate of what XLA allocates, not a measurement: `benchmarks/memory.py` compares it with
 XLA's own buffer assignment of the compiled train step (and the index arrays) for the `tiny` and
-`demo` configs on the CPU.
+`demo` configs on the CPU. Pre-training logs it against `device_memory()` (an accelerator's memory,
+or the host's RAM), and a warning when it does not fit with its MARGIN.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def format_estimate(est: dict, capacity_gib: float = 0.0, title: str = "") -> st
   lines.append(f"  {'total':<16} {est['total'] / GIB:8.3f} GiB")
   if capacity_gib:
     share = est["total"] / (capacity_gib * GIB)
-    verdict = ("fits" if share * MARGIN <= 1 else
+    verdict = ("fits" if fits(est, capacity_gib * GIB) else
                "does NOT fit: set config.remat, lower the batch per device, or use more devices")
     lines.append(f"  of {capacity_gib:g} GiB per device: {100 * share:.0f}% (x {MARGIN} margin: "
                  f"{100 * share * MARGIN:.0f}%) -> {verdict}")
@@ -136,6 +137,54 @@ def index_rows_for(config, corpus_len: int | None = None) -> int:
     return WIKIPEDIA_BLOCKS
   raise ValueError("The number of index rows is unknown before the corpus is built: pass "
                    "--index_rows, or build the corpus first.")
+
+
+def fits(est: dict, capacity_bytes: float) -> bool:
+  """Whether the estimate, with its MARGIN, fits in `capacity_bytes` per device."""
+  return est["total"] * MARGIN <= capacity_bytes
+
+
+def host_ram_bytes() -> int | None:
+  """This machine's RAM, or its container's memory limit when lower (cgroup v2 or v1); None where
+  the system does not say."""
+  try:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):  # not a POSIX system
+    return None
+  for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      with open(limit_file) as f:
+        ram = min(ram, int(f.read().strip()))  # "max" (no limit) does not parse: skipped
+    except (OSError, ValueError):
+      pass
+  return ram
+
+
+def device_memory() -> tuple[int, str] | None:
+  """(bytes, what they are) that one device of this process can hold: an accelerator's own memory
+  (what XLA may allocate on it), or on the CPU the host's RAM shared by its local devices. None
+  where the platform does not say."""
+  device = jax.local_devices()[0]
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  if limit:
+    return int(limit), f"{device.device_kind} memory"
+  ram = host_ram_bytes() if device.platform == "cpu" else None
+  if ram is None:
+    return None
+  n = jax.local_device_count()
+  return ram // n, "host RAM" if n == 1 else f"host RAM shared by {n} CPU devices"
+
+
+def memory_warning(est: dict, capacity: tuple[int, str] | None) -> str | None:
+  """What to log when the estimate, with its MARGIN, is more than a device holds (`capacity` as
+  `device_memory` returns it); None when it fits or the capacity is unknown."""
+  if capacity is None or fits(est, capacity[0]):
+    return None
+  limit, what = capacity
+  return (f"This run may not fit in memory: the estimate is {est['total'] / GIB:.2f} GiB per "
+          f"device ({MARGIN}x that, {est['total'] * MARGIN / GIB:.2f} GiB, is what it may take), "
+          f"the device has {limit / GIB:.2f} GiB ({what}). Lower --config.batch_size or "
+          "--config.num_candidates, set --config.remat=True, or use more devices.")
 
 
 def device_peak_bytes() -> int | None:

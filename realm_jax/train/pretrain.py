@@ -9,7 +9,9 @@ Everything lands in `workdir`, a local directory or gs://BUCKET/PATH: `data/` (c
 `index/` (published indexes), `checkpoints/` (state + data iterator + index version), `tb/`
 (TensorBoard), `metrics.jsonl`. With a gs:// workdir the data is read from a local copy of `data/`
 (realm_jax/io_utils.py: local_dir), built or downloaded once per machine.
-Started again on the same workdir, a run resumes from its newest checkpoint by itself.
+Started again on the same workdir, a run resumes from its newest checkpoint by itself (one that
+is damaged is set aside for the one before: realm_jax/train/checkpoints.py). A run holds the
+workdir's lock (`run.lock`, realm_jax/workdir_lock.py): a second run there is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from realm_jax import distributed
+from realm_jax import config_checks, distributed, workdir_lock
 from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.pretrain import build_examples, pretrain_batches, special_ids
 from realm_jax.io_utils import as_path, read_json, write_json
@@ -101,11 +103,24 @@ def check_workdir_corpus(workdir: str, fingerprint: str) -> None:
         "corpus and realm_jax it was made with, or start anew with another --workdir.")
 
 
+def check_num_candidates(num_candidates: int, corpus) -> None:
+  """Refuses more candidates than the corpus has blocks: a query retrieves the others (never its
+  own), so past len(corpus) the candidates are padding that costs memory and compute all the
+  same."""
+  if num_candidates > len(corpus):
+    raise ValueError(
+        f"--config.num_candidates={num_candidates} is more than the {len(corpus)} blocks of the "
+        f"corpus in {corpus.data_dir}: a query has at most {len(corpus) - 1} other blocks to "
+        f"retrieve, beside the null document. Pass --config.num_candidates={len(corpus)} or "
+        "fewer, or a larger corpus.")
+
+
 def _open_data(config, workdir: str, vocab_file: str):
   data_dir = config.data_dir or os.path.join(workdir, "data")
   tokenizer = BertTokenizer(vocab_file)
   corpus = Corpus.build(os.path.join(data_dir, "corpus"),
                         CorpusConfig.from_config(config.corpus, vocab_file))
+  check_num_candidates(config.num_candidates, corpus)  # before the examples are built
   settings = f"{config.query_length}-{config.max_masked}-{config.tagger}-{config.heldout_percent}"
   examples_dir = os.path.join(data_dir, f"examples-{corpus.fingerprint[:12]}-{settings}")
   build_examples(corpus, tokenizer, examples_dir, query_length=config.query_length,
@@ -167,9 +182,9 @@ class Trainer:
 
   def __init__(self, config, workdir: str):
     if config.index.refresh not in REFRESH_MODES:
-      raise ValueError(f"config.index.refresh={config.index.refresh!r}: use one of {REFRESH_MODES}.")
+      raise ValueError(f"--config.index.refresh={config.index.refresh!r}: use one of {REFRESH_MODES}.")
     if config.batch_size % jax.device_count():
-      raise ValueError(f"config.batch_size={config.batch_size} is not divisible by the "
+      raise ValueError(f"--config.batch_size={config.batch_size} is not divisible by the "
                        f"{jax.device_count()} devices: pick a multiple.")
     self.config, self.workdir = config, workdir
     # The weights, the corpus files and the index settings are checked before config.json is
@@ -216,8 +231,12 @@ class Trainer:
                                      config.index.embed_batch_size)
     self.memory_estimate = memory.estimate(config, jax.device_count(), len(self.corpus),
                                            self.model_config)
+    capacity = memory.device_memory()  # this machine's; else the slice the config plans for
+    planned_gib = config.slice.hbm_gib if config.get("slice") else 0.0
     logging.info("%s", memory.format_estimate(
-        self.memory_estimate, config.slice.hbm_gib if config.get("slice") else 0.0))
+        self.memory_estimate, capacity[0] / memory.GIB if capacity else planned_gib))
+    if warning := memory.memory_warning(self.memory_estimate, capacity):
+      logging.warning("%s", warning)
     self.index, self.index_path = None, None
     self._saved_index_paths = collections.deque(maxlen=config.keep_checkpoints + 1)
     self.watcher = None
@@ -405,16 +424,32 @@ class Trainer:
     return last_eval
 
 
+def check_settings(config, workdir: str) -> None:
+  """Refuses settings no run can use, naming the flag, before weights, corpus or compiling."""
+  config_checks.workdir(workdir)
+  config_checks.at_least(config, {
+      "batch_size": 1, "num_steps": 1, "num_candidates": 1, "query_length": 4, "max_masked": 1,
+      "doc_length": 4, "joint_length": 8, "learning_rate": 0, "log_every": 1, "eval_every": 1,
+      "eval_batches": 1, "checkpoint_every": 1, "keep_checkpoints": 1, "max_bad_steps": 1,
+      "num_layers": 0, "index.refresh_every": 1, "index.embed_batch_size": 1, "index.keep": 0,
+      "corpus.block_length": 4, "corpus.max_docs": 0, "heldout_percent": 0})
+  config_checks.one_of(config, {"index.refresh": REFRESH_MODES, "init": ("minilm", "hf", "random"),
+                                "tagger": ("auto", "spacy", "regex"),
+                                "dtype": ("float32", "bfloat16")})
+
+
 def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   """Pre-trains to config.num_steps (resuming from `workdir`); returns the last held-out metrics."""
+  check_settings(config, workdir)
   maybe_initialize_distributed(config.distributed)
-  result = Trainer(config, workdir).run()
-  if jax.process_index() == 0:
-    try:
-      from realm_jax.train.plot import plot_metrics
-      logging.info("Training curves: %s", plot_metrics(workdir))
-    except ImportError:
-      logging.info("Install matplotlib (the demo extra) for a plot of the training curves.")
+  with workdir_lock.hold(workdir):  # before anything is written there: one run per workdir
+    result = Trainer(config, workdir).run()
+    if jax.process_index() == 0:
+      try:
+        from realm_jax.train.plot import plot_metrics
+        logging.info("Training curves: %s", plot_metrics(workdir))
+      except ImportError:
+        logging.info("Install matplotlib (the demo extra) for a plot of the training curves.")
   return result
 
 

@@ -1,0 +1,135 @@
+"""Every entry point answers a user's mistake with one `error:` line naming the flag or file, exit
+status 2 and no traceback (realm_jax/cli.py), before any expensive work.
+
+The cases run as a user runs them (python experiments/<job>.py ...), a few at a time, once per
+session; each test then checks one case's answer.
+"""
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import NQ_OPEN, ROOT, one_device_env
+
+CONFIGS = {"pretrain": "realm_jax/configs/pretrain.py:tiny", "ict": "realm_jax/configs/ict.py:tiny",
+           "build_index": "realm_jax/configs/build_index.py:tiny",
+           "finetune": "realm_jax/configs/finetune.py:tiny",
+           "search_demo": "realm_jax/configs/build_index.py:tiny"}
+MISSING = "/nonexistent/weights"
+
+
+def _cases(files):
+  """(id, script, args, words the error line must contain); {W} is a fresh work directory."""
+  cases = []
+  for job, config in CONFIGS.items():
+    base = [f"--config={config}", "--workdir={W}"]
+    if job == "finetune":
+      base.append(f"--config.data.local_dir={NQ_OPEN}")
+    weights = {"pretrain": ["--config.init=hf", f"--config.retriever_weights={MISSING}",
+                            f"--config.encoder_weights={MISSING}"],
+               "ict": ["--config.init=bert", f"--config.bert_weights={MISSING}"],
+               "build_index": [f"--config.weights={MISSING}"],
+               "search_demo": [f"--config.weights={MISSING}"],
+               "finetune": [f"--config.reader_weights={MISSING}"]}[job]
+    jsonl = "--config.retrieval.corpus" if job == "finetune" else "--config.corpus"
+    cases += [
+        (f"{job}-misspelt-key", job, [*base, "--config.batch_sise=3"], ["--config.batch_sise", "batch_size"]),
+        (f"{job}-missing-flagfile", job, ["--flagfile=no/such.flags"], ["--flagfile=no/such.flags"]),
+        (f"{job}-workdir-is-a-file", job, [f"--config={config}", f"--workdir={files['file']}"]
+         + base[2:], ["--workdir", files["file"]]),
+        (f"{job}-unknown-variant", job, [f"--config={config}y", "--workdir={W}"], ["--config", "tinyy"]),
+        (f"{job}-missing-weights", job, [*base, *weights], [MISSING]),
+        (f"{job}-bad-jsonl-line", job, [*base, f"{jsonl}.source=jsonl",
+                                        f"{jsonl}.paths=('{files['bad_jsonl']}',)"],
+         [f"{files['bad_jsonl']}:2"]),
+        (f"{job}-stray-argument", job, [*base, "extra"], ["extra"]),
+    ]
+    if job != "search_demo":
+      cases += [
+          (f"{job}-batch-0", job, [*base, "--config.batch_size=0"], ["--config.batch_size=0", "at least"]),
+          (f"{job}-batch-negative", job, [*base, "--config.batch_size=-1"],
+           ["--config.batch_size=-1", "at least"]),
+      ]
+    if job in ("pretrain", "ict", "finetune"):
+      cases += [
+          (f"{job}-steps-0", job, [*base, "--config.num_steps=0"], ["--config.num_steps=0", "at least 1"]),
+          (f"{job}-steps-negative", job, [*base, "--config.num_steps=-5"], ["--config.num_steps=-5"]),
+          (f"{job}-no-workdir", job, [f"--config={config}"], ["--workdir"]),
+      ]
+  cases += [
+      ("pretrain-k-0", "pretrain", ["--config=" + CONFIGS["pretrain"], "--workdir={W}",
+                                    "--config.num_candidates=0"], ["--config.num_candidates=0"]),
+      ("finetune-beam-0", "finetune", ["--config=" + CONFIGS["finetune"], "--workdir={W}",
+                                       "--config.beam=0"], ["--config.beam=0"]),
+      ("build_index-bad-questions-line", "build_index",
+       ["--config=" + CONFIGS["build_index"], "--workdir={W}",
+        f"--config.eval.questions={files['bad_jsonl']}"], [f"{files['bad_jsonl']}:2"]),
+      ("search_demo-k-0", "search_demo", ["--workdir={W}", "--k=0"], ["--k"]),
+      ("pretrain-bad-number", "pretrain", ["--config=" + CONFIGS["pretrain"], "--workdir={W}",
+                                           "--config.num_steps=abc"], ["--config.num_steps=abc"]),
+      ("pretrain-bad-refresh", "pretrain", ["--config=" + CONFIGS["pretrain"], "--workdir={W}",
+                                            "--config.index.refresh=sometimes"],
+       ["--config.index.refresh", "sometimes"]),
+      ("build_index-bad-searcher", "build_index", ["--config=" + CONFIGS["build_index"],
+                                                   "--workdir={W}", "--config.index.searcher=faiss"],
+       ["--config.index.searcher", "faiss"]),
+      ("finetune-bad-retrieval-batch", "finetune", ["--config=" + CONFIGS["finetune"],
+                                                    "--workdir={W}", f"--config.data.local_dir={NQ_OPEN}",
+                                                    "--config.retrieval.batch_size=0"],
+       ["--config.retrieval.batch_size=0"]),
+      ("evaluate-negative-limit", "evaluate", ["--workdir={W}", "--limit=-1"], ["--limit=-1"]),
+      ("evaluate-unknown-system", "evaluate", ["--workdir={W}", "--systems=finetuned,gpt"],
+       ["--systems", "gpt"]),
+      ("evaluate-missing-workdir", "evaluate", ["--workdir={W}"], ["{W}"]),
+      ("ask-missing-workdir", "ask", ["--workdir={W}", "--question=who"], ["{W}"]),
+      ("memory_estimate-unknown-variant", "memory_estimate",
+       ["--config=realm_jax/configs/pretrain.py:nope"], ["nope"]),
+  ]
+  return cases
+
+
+def _run(case, tmp):
+  name, script, args, _ = case
+  workdir = os.path.join(tmp, name)
+  args = [a.replace("{W}", workdir) for a in args]
+  env = dict(one_device_env(), JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, os.path.join("experiments", f"{script}.py"), *args],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300), workdir
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory):
+  tmp = str(tmp_path_factory.mktemp("cli"))
+  files = {"file": os.path.join(tmp, "a_file"), "bad_jsonl": os.path.join(tmp, "bad.jsonl")}
+  with open(files["file"], "w") as f:
+    f.write("not a directory\n")
+  with open(files["bad_jsonl"], "w") as f:
+    f.write('{"title": "A", "text": "Some text.", "question": "q", "answer": ["a"]}\n'
+            '{"title": "B", "text": oops}\n')
+  cases = _cases(files)
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    results = list(pool.map(lambda c: _run(c, tmp), cases))
+  return {c[0]: (c, *r) for c, r in zip(cases, results)}
+
+
+def _ids():
+  fake = {"file": "F", "bad_jsonl": "B"}
+  return [c[0] for c in _cases(fake)]
+
+
+def test_at_least_the_issue_cases():
+  assert len(_ids()) >= 31 and len(set(_ids())) == len(_ids())
+
+
+@pytest.mark.parametrize("name", _ids())
+def test_user_mistake_is_one_error_line(answers, name):
+  (_, _, _, words), got, workdir = answers[name]
+  stderr = got.stderr
+  assert got.returncode == 2, f"exit {got.returncode}\n{stderr[-3000:]}"
+  assert "Traceback" not in stderr, stderr[-3000:]
+  errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1, stderr[-3000:]
+  for word in words:
+    assert word.replace("{W}", workdir) in errors[0], errors[0]

@@ -1,0 +1,84 @@
+"""Runs larger than the machine (realm_jax/train/memory.py, and its use in pre-training): more
+candidates than the corpus has blocks are refused as soon as the corpus is open; an estimate that
+does not fit the device's memory is logged as a warning before anything is allocated."""
+
+import logging
+import os
+
+import jax
+import pytest
+
+from realm_jax.train import memory
+
+GIB = memory.GIB
+
+
+def test_device_memory_on_the_cpu_is_the_hosts_ram_shared_by_its_devices():
+  got = memory.device_memory()
+  assert got is not None
+  limit, what = got
+  n = jax.local_device_count()
+  assert limit == memory.host_ram_bytes() // n > 0
+  assert what == ("host RAM" if n == 1 else f"host RAM shared by {n} CPU devices")
+  assert memory.host_ram_bytes() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_an_estimate_that_does_not_fit_with_its_margin_is_a_warning():
+  """16 GiB against a 10 GiB estimate warns: XLA took up to MARGIN x the estimate (a run whose
+  estimate said 16.5 GiB asked for 33 GB). The verdict of the logged table agrees."""
+  est = {"total": 10 * GIB}
+  assert memory.memory_warning(est, None) is None
+  assert memory.memory_warning(est, (100 * GIB, "host RAM")) is None
+  warning = memory.memory_warning(est, (16 * GIB, "host RAM"))
+  assert warning is not None and "the estimate is 10.00 GiB per device" in warning
+  assert "the device has 16.00 GiB (host RAM)" in warning
+  assert "--config.num_candidates" in warning and "--config.batch_size" in warning
+  assert memory.fits(est, 100 * GIB) and not memory.fits(est, 16 * GIB)
+
+
+@pytest.fixture
+def tiny(tmp_path):
+  try:  # the tiny config reads the embedded corpus and the MiniLM vocabulary (the demo extra)
+    from realm_jax.checkpoints.minilm import minilm_dir
+    from realm_jax.data.wiki_vital import summaries_path
+    summaries_path(), minilm_dir()
+  except Exception as e:  # noqa: BLE001
+    pytest.skip(f"needs the demo extra: {e}")
+  from realm_jax.configs.pretrain import get_config
+  config = get_config("tiny")
+  config.data_dir = str(tmp_path / "data")
+  return config
+
+
+def test_more_candidates_than_blocks_are_refused_before_the_examples(tiny, tmp_path):
+  """num_candidates=1000 over a corpus of 140 blocks ran 30 s into a 33 GB allocation: refused,
+  naming the flag and the corpus size, once the corpus is open and before its examples are
+  built. As many candidates as blocks is fine (each query retrieves all the others)."""
+  from realm_jax.train.init import build_models
+  from realm_jax.train.pretrain import open_data
+  _, _, vocab = build_models(tiny)
+  tiny.num_candidates = 1000
+  with pytest.raises(ValueError, match=r"--config.num_candidates=1000 is more than the (\d+) "
+                     r"blocks of the corpus in .*Pass --config.num_candidates=\1 or fewer"):
+    open_data(tiny, str(tmp_path / "w"), vocab)
+  assert [p for p in os.listdir(tiny.data_dir) if p.startswith("examples")] == []
+  from realm_jax.data.corpus import Corpus, CorpusConfig
+  tiny.num_candidates = len(Corpus.build(os.path.join(tiny.data_dir, "corpus"),
+                                         CorpusConfig.from_config(tiny.corpus, vocab)))
+  open_data(tiny, str(tmp_path / "w"), vocab)
+
+
+def test_pretraining_warns_when_the_estimate_does_not_fit_the_device(tiny, tmp_path, monkeypatch,
+                                                                     caplog):
+  from realm_jax.train.pretrain import Trainer
+  monkeypatch.setattr(memory, "device_memory", lambda: (GIB // 1024, "a test device's memory"),
+                      raising=False)
+  caplog.set_level(logging.INFO)
+  trainer = Trainer(tiny, str(tmp_path / "w"))
+  trainer.manager.close()
+  trainer.metrics.close()
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert any("may not fit in memory" in m and "GiB (a test device's memory)" in m
+             for m in warnings), warnings
+  table = [r.getMessage() for r in caplog.records if "Memory per device" in r.getMessage()]
+  assert len(table) == 1 and "does NOT fit" in table[0]
