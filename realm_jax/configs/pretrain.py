@@ -3,7 +3,7 @@
 Variants (`--config=realm_jax/configs/pretrain.py:<variant>`):
   demo   the embedded corpus (first 2,000 articles as blocks of <= 64 word pieces), both models
          from all 6 layers of the installed all-MiniLM-L6-v2, K = 3, on 2 CPU cores: 7 minutes on
-         the current development machine, ~14 estimated on the earlier, slower one (README):
+         the current development machine, ~14 estimated on the earlier, slower one (docs/pretraining.md):
            python experiments/pretrain.py --flagfile=experiments/flags/pretrain_demo.flags
   tiny   random 2-layer models over 40 articles, for tests (seconds).
   paper  REALM's settings: BERT-base towers and encoder (config.init='hf' with REALM/BERT weights),
@@ -93,7 +93,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
 
   if arg == "demo":
     # All 6 MiniLM layers in both models: with 2, the encoder barely learns to copy a span from a
-    # retrieved block in 300 steps and the retriever brings it less often (README, Pre-training).
+    # retrieved block in 300 steps and the retriever brings it less often (docs/notes.md).
     c.num_layers = 6
     c.mlm_transform_init = "identity"  # the new MLM head starts by pointing at the word it sees
     c.query_hides_mask = True   # retrieve with the sentence minus its masked span
@@ -105,7 +105,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     c.query_length = 32
     c.doc_length = 64
     c.joint_length = 96
-    c.num_candidates = 3        # K = 4 shows a larger gain but takes ~9 minutes (README)
+    c.num_candidates = 3        # K = 4 shows a larger gain but takes ~9 minutes (docs/notes.md)
     c.batch_size = 8
     c.num_steps = 300
     c.learning_rate = 3e-4
