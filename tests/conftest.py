@@ -108,3 +108,28 @@ def tiny_qa_workdir(tmp_path_factory):
       env=one_device_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert got.returncode == 0, got.stderr[-5000:]
   return workdir
+
+
+@pytest.fixture(scope="session")
+def articles():
+  """The embedded corpus's Wikipedia summaries (the demo extra)."""
+  from realm_jax.data.wiki_vital import load_articles
+  try:
+    return load_articles()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+
+
+def damaged_best_copy(workdir, tmp_path):
+  """(copy, its kept step directory): a copy of a fine-tuning work directory whose kept model
+  (best/<step>) lost its largest data file."""
+  import pathlib
+  import shutil
+  from realm_jax.train import finetune
+  where = pathlib.Path(tmp_path) / "w"
+  shutil.copytree(workdir, where)
+  (step,) = [p for p in (where / finetune.BEST).iterdir() if p.name.isdigit()]
+  biggest = max((p for p in (step / "state").rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+  biggest.unlink()
+  return where, step

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import NQ_OPEN as NQ
-from conftest import one_device_env
+from conftest import damaged_best_copy, one_device_env
 
 from realm_jax.eval import ask
 from realm_jax.train import finetune
@@ -201,12 +201,7 @@ def test_notebook_fine_tunes_answers_and_plots(workdir, system, tmp_path, monkey
 def test_a_damaged_model_ends_in_one_error_line(workdir, tmp_path):
   """A data file of the kept model deleted: one `error:` line naming best/ and what to do, status
   2, no orbax traceback; nothing in the work directory is changed (ask only reads)."""
-  where = tmp_path / "w"
-  shutil.copytree(workdir, where)
-  (step,) = [p for p in (where / finetune.BEST).iterdir() if p.name.isdigit()]
-  biggest = max((p for p in (step / "state").rglob("*") if p.is_file()),
-                key=lambda p: p.stat().st_size)
-  biggest.unlink()
+  where, step = damaged_best_copy(workdir, tmp_path)
   got = run_ask(f"--workdir={where}", f"--question={QUESTION}")
   assert got.returncode == 2, (got.stdout, got.stderr)
   errors = [line for line in got.stderr.splitlines() if line.startswith("error: ")]

@@ -31,16 +31,6 @@ def tok(vocab_file):
   return BertTokenizer(vocab_file)
 
 
-@pytest.fixture(scope="module")
-def articles():
-  """The embedded corpus's Wikipedia summaries (the demo extra)."""
-  from realm_jax.data.wiki_vital import load_articles
-  try:
-    return load_articles()
-  except FileNotFoundError as e:
-    pytest.skip(str(e))
-
-
 def write_jsonl(path, docs):
   path.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
   return str(path)

@@ -10,7 +10,7 @@ import chex
 import jax
 import numpy as np
 import pytest
-from conftest import NQ_OPEN
+from conftest import NQ_OPEN, damaged_best_copy
 from test_qa_step import MODELS, make_batch, make_params
 
 from realm_jax.configs.finetune import get_config
@@ -294,14 +294,8 @@ def test_a_damaged_best_model_stops_the_resume_saying_what_to_do(run, tmp_path):
   """A data file of best/'s only model deleted: resuming reads it (not only its record), and,
   with no older model to fall back to, stops with one ValueError naming best/ and what to do,
   instead of keeping a model that cannot be loaded or an orbax traceback; nothing is moved."""
-  import shutil
   workdir, _ = run
-  where = tmp_path / "w"
-  shutil.copytree(workdir, where)
-  (step,) = [p for p in (where / finetune.BEST).iterdir() if p.name.isdigit()]
-  biggest = max((p for p in (step / "state").rglob("*") if p.is_file()),
-                key=lambda p: p.stat().st_size)
-  biggest.unlink()
+  where, step = damaged_best_copy(workdir, tmp_path)
   trainer = finetune.QaTrainer(tiny_config(), str(where))
   try:
     with pytest.raises(ValueError, match=rf"No checkpoint in {where}/{finetune.BEST} can be read "

@@ -28,15 +28,6 @@ def test_bucketed_embedding_equals_full_length_embedding():
     embed_in_buckets(fn, {k: v[:0] for k, v in inputs.items()}, batch_size=4)
 
 
-@pytest.fixture(scope="module")
-def articles():
-  from realm_jax.data.wiki_vital import load_articles
-  try:
-    return load_articles()
-  except FileNotFoundError as e:
-    pytest.skip(str(e))
-
-
 def test_embedded_corpus_has_the_vital_articles(articles):
   assert len(articles) == 10033
   titles = {a["title"] for a in articles}

@@ -49,14 +49,17 @@ def open_corpus(config, workdir: str, vocab_file: str) -> Corpus:
                       CorpusConfig.from_config(config.corpus, vocab_file))
 
 
-def build_index(config, workdir: str, towers=None):
+def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | None = None):
   """Corpus + weights -> `workdir/index/index-00000000` (published atomically). Returns
   (corpus, index, document tower). Every stage resumes: the corpus and finished embedding shards
-  are reused. `towers`: already loaded `towers_of(config)`."""
+  are reused. `towers`: already loaded `towers_of(config)`. `min_blocks`: {flag: count} of the
+  caller's settings that need that many blocks, refused once the corpus is known, before it is
+  embedded."""
   check_settings(config)
   options = index_options(config.index)  # checked before the corpus is built and embedded
   tower = (towers or towers_of(config))["document"]
   corpus = open_corpus(config, workdir, tower.tokenizer.vocab_file)
+  check_corpus_size(corpus, min_blocks or {})
   fingerprint = f"{corpus.fingerprint}-{tower.fingerprint}-{config.max_length}-{config.truncate}"
   emb = embed_corpus(corpus, tower.embed, tower.tokenizer,
                      os.path.join(workdir, "embeddings", fingerprint), config.max_length,
@@ -71,6 +74,14 @@ def build_index(config, workdir: str, towers=None):
                        corpus_fingerprint=corpus.fingerprint)
   logging.info("Index of %d blocks x %d published at %s", len(corpus), emb.shape[1], path)
   return corpus, index, tower
+
+
+def check_corpus_size(corpus, min_blocks: dict[str, int]) -> None:
+  """Refuses a setting (by its flag) that needs more blocks than the corpus has."""
+  for flag, count in min_blocks.items():
+    if count > len(corpus):
+      raise ValueError(f"{flag}={count} is more than the {len(corpus)} blocks of the corpus in "
+                       f"{corpus.data_dir}: pass at most {len(corpus)}, or use a larger corpus.")
 
 
 def _published(root: str, index: DocIndex, model_fingerprint: str, corpus_fingerprint: str) -> bool:

@@ -153,7 +153,8 @@ def open_index(config, workdir: str, build_missing: bool = True, towers=None):
     check_index(workdir)
   towers = towers or build.towers_of(config.retrieval)
   if latest_index_dir(os.path.join(workdir, "index")) is None:
-    corpus, index, _ = build.build_index(config.retrieval, workdir, towers)
+    corpus, index, _ = build.build_index(config.retrieval, workdir, towers,
+                                         min_blocks={"--config.beam": config.beam})
   else:
     corpus, index, _ = build.load_built_index(config.retrieval, workdir, towers)
   return corpus, index, towers
@@ -294,9 +295,8 @@ class QaTrainer:
     check_workdir_config(config, workdir, _FIXED)
     self.config, self.workdir = config, workdir
     self.setup = QaSetup(config, workdir, towers=towers, reader=reader)
-    if config.beam > len(self.setup.corpus):
-      raise ValueError(f"--config.beam={config.beam} is more than the {len(self.setup.corpus)} "
-                       "blocks of the corpus.")
+    # Also checked before the embedding when the index is built here (open_index).
+    build.check_corpus_size(self.setup.corpus, {"--config.beam": config.beam})
     check_ks(config.ks, len(self.setup.corpus))  # now, not at the first dev evaluation
     logging.info("Questions: %s", {k: len(v) for k, v in self.splits.items()})
     self.mesh = Mesh(np.array(jax.devices()), ("data",))
