@@ -40,9 +40,7 @@ def main(argv):
   workdir = _WORKDIR.value
   if _LIMIT.value < 0:  # a negative slice would silently drop the last questions
     raise ValueError(f"--limit={_LIMIT.value}: pass a number of questions >= 1, or 0 for all.")
-  unknown = [s for s in _SYSTEMS.value + _RECALL_ONLY.value if s not in report.SYSTEMS]
-  if unknown:
-    raise ValueError(f"--systems / --recall_only: unknown {unknown}; use some of {report.SYSTEMS}.")
+  report.check_systems(_SYSTEMS.value, _RECALL_ONLY.value)
   config = _CONFIG.value or finetune.load_workdir_config(workdir)
   # Refused before the questions, the index and the models are loaded: a work directory without
   # a fine-tuned model (first: check_writable would create a misspelt --workdir), and an eval/

@@ -66,15 +66,20 @@ def check_writable(out_dir: str) -> None:
         "should be), or evaluate a writable copy of the work directory.") from e
 
 
+def check_systems(systems, recall_only=()) -> None:
+  """ValueError naming the systems (--systems / --recall_only) that are not in SYSTEMS."""
+  unknown = [s for s in list(systems) + list(recall_only) if s not in SYSTEMS]
+  if unknown:
+    raise ValueError(f"--systems / --recall_only: unknown {unknown}; use some of {SYSTEMS}.")
+
+
 def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: str | None = None,
                      params=None, progress: bool = True, recall_only=()) -> dict:
   """{system: {"em", "recall": {k: %}, "count", "seconds"}} on `questions`; predictions and a
   results.json go to `out_dir` when given (an `out_dir` that cannot be written fails first).
   `params`: the fine-tuned parameters (default: the best checkpoint of the workdir). Systems in
   `recall_only` are not read (em None): reading is what takes the time on a CPU."""
-  unknown = [s for s in list(systems) + list(recall_only) if s not in SYSTEMS]
-  if unknown:
-    raise ValueError(f"Unknown systems {unknown}: use some of {SYSTEMS}.")
+  check_systems(systems, recall_only)
   if out_dir:
     check_writable(out_dir)
   if params is None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
-
 from realm_jax import config_checks, workdir_lock
 from realm_jax.data.blocks import BLOCKINGS
 from realm_jax.data.corpus import Corpus, CorpusConfig
@@ -16,8 +14,8 @@ from realm_jax.eval.retrieval import evaluate_retrieval
 from realm_jax.io_utils import as_path
 from realm_jax.retrieval.embed import embed_corpus
 from realm_jax.models.config import COMPUTE_DTYPES
-from realm_jax.retrieval.index import (DTYPES, SEARCHERS, DocIndex, index_options, index_path,
-                                       latest_index_dir, publish_index, read_manifest)
+from realm_jax.retrieval.index import (DTYPES, SEARCHERS, DocIndex, arrays_crc32, index_options,
+                                       index_path, latest_index_dir, publish_index, read_manifest)
 from realm_jax.retrieval.towers import load_towers
 from realm_jax.text.tokenizer import TRUNCATIONS
 
@@ -87,17 +85,16 @@ def check_corpus_size(corpus, min_blocks: dict[str, int]) -> None:
 def _published(root: str, index: DocIndex, model_fingerprint: str, corpus_fingerprint: str) -> bool:
   """Whether `root`'s newest index is step 0 and holds exactly `index` (same blocks, weights,
   dtype and rows: max_length and truncate show in the rows), so that a run with unchanged
-  settings writes nothing and works in a read-only directory."""
+  settings writes nothing and works in a read-only directory. The rows are compared by the
+  CRC-32 the manifest records (an index saved without one is written again), not read back."""
   path = latest_index_dir(root)
   if path != index_path(root, 0):  # none yet, or a training run's
     return False
   manifest = read_manifest(path)
-  if (manifest["corpus_fingerprint"], manifest["model_fingerprint"], manifest["dtype"]) != (
-      corpus_fingerprint, model_fingerprint, index.dtype.name):
-    return False
-  stored = DocIndex.load(path)
-  return (np.array_equal(stored.block_ids, index.block_ids)
-          and np.array_equal(stored.embeddings(), index.embeddings()))
+  return (manifest["corpus_fingerprint"], manifest["model_fingerprint"], manifest["dtype"],
+          manifest.get("arrays_crc32")) == (
+              corpus_fingerprint, model_fingerprint, index.dtype.name,
+              arrays_crc32(index.embeddings(), index.block_ids))
 
 
 def load_built_index(config, workdir: str, towers=None):
