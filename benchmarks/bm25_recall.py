@@ -5,7 +5,7 @@
 
 Each article (title + " " + text) is one document. A question is a hit at k when one of its
 normalised answers occurs, as whole words, in the normalised title + text of one of its k first
-articles (`eval.answers.has_answer`). Prints recall@1/5/20 and the time of each stage.
+articles (`text.answers.has_answer`). Prints recall@1/5/20 and the time of each stage.
 """
 
 import argparse
@@ -16,9 +16,9 @@ import numpy as np
 
 from realm_jax.data.qa import load_questions
 from realm_jax.data.wiki_vital import load_articles
-from realm_jax.eval.answers import has_answer, normalize_answer
-from realm_jax.eval.retrieval import recall_at_k
 from realm_jax.retrieval.bm25 import BM25Index
+from realm_jax.retrieval.recall import recall_at_k
+from realm_jax.text.answers import has_answer, normalize_answer
 
 KS = (1, 5, 20)
 

@@ -65,7 +65,7 @@ def main():
     t = Trainer(config, scratch)
 
     def own_block(queries):
-      return t._global(t.builder.build(queries, t.corpus.rows_of(queries["block_id"])[:, None]))
+      return t.put(t.builder.build(queries, t.corpus.rows_of(queries["block_id"])[:, None]))
 
     t.step_batch = own_block  # the trainer's own evaluation, with the own block as the retrieval
 
@@ -78,7 +78,7 @@ def main():
           f"{args.steps} steps of {config.batch_size}")
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
-      t.state, _ = t.step_fn(t.state, t.step_batch(next(t.train_iter)), t.rng)
+      t.state, _ = t.step_fn(t.state, t.step_batch(next(t.data_iterator)), t.rng)
       if step % args.eval_every == 0 or step == args.steps:
         print(f"step {step} ({time.perf_counter() - start:.0f} s) held-out:",
               json.dumps(evaluate()), flush=True)

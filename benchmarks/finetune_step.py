@@ -19,9 +19,9 @@ import time
 
 from absl import app, flags, logging
 
+from realm_jax import cli
 from realm_jax.configs.finetune import get_config
 from realm_jax.train.finetune import QaTrainer
-from realm_jax.train.pretrain import quiet_library_logs
 
 _INDEX = flags.DEFINE_string("index_workdir", "work/qa_wiki_vital", "Workdir with corpus/ and index/.")
 _SIZES = flags.DEFINE_list("batch_sizes", ["1", "16"], "Batch sizes to compare.")
@@ -47,8 +47,7 @@ def measure(batch_size: int, index_workdir: str) -> dict:
     build_s = step_s = 0.0
     for i in range(_WARMUP.value + steps):
       t0 = time.perf_counter()
-      batch, _ = trainer.next_batch()
-      batch = trainer._global(batch)
+      batch = trainer.next_batch()
       t1 = time.perf_counter()
       trainer.state, out = trainer.step_fn(trainer.state, batch, trainer.rng)
       jax.block_until_ready(out)
@@ -66,7 +65,7 @@ def measure(batch_size: int, index_workdir: str) -> dict:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  quiet_library_logs()
+  cli.quiet_library_logs()
   rows = [measure(int(b), _INDEX.value) for b in _SIZES.value]
   print("| batch | questions timed | batch building s | train step s | questions/s (all) | "
         "questions/s (step only) |")

@@ -35,7 +35,7 @@ def make_data(args, rng):
     emb = load_file(args.embeddings)["embeddings"].astype(np.float32)
   if args.embeddings and args.questions:  # real questions, embedded with MiniLM, as queries
     from realm_jax.data.qa import load_qa_jsonl
-    from realm_jax.eval.retrieval import embed_questions
+    from realm_jax.retrieval.recall import embed_questions
     from realm_jax.retrieval.towers import load_tower
     questions = [q["question"] for q in load_qa_jsonl(args.questions, limit=args.queries)]
     return np.ascontiguousarray(emb), embed_questions(load_tower("minilm"), questions)
@@ -123,7 +123,8 @@ def main():
 
   import jax
 
-  from realm_jax.retrieval.index import DocIndex, brute_force_top_k
+  from realm_jax.retrieval.exact import brute_force_top_k
+  from realm_jax.retrieval.index import DocIndex
 
   rng = np.random.default_rng(0)
   emb, queries = make_data(args, rng)
@@ -134,15 +135,16 @@ def main():
 
   seconds, truth = timed(lambda q: brute_force_top_k(q, emb, args.k)[1], queries, args.repeats)
   rows = [("numpy brute force (float32)", 0.0, seconds, 1.0)]
+  device = dict(query_batch_size=args.query_batch_size)  # ScaNN takes all queries in one call
   methods = {
-      "exact float32": dict(searcher="exact"),
-      "exact bfloat16": dict(searcher="exact", dtype="bfloat16"),
-      "approx float32 (recall_target 0.95)": dict(searcher="approx"),
+      "exact float32": dict(device, searcher="exact"),
+      "exact bfloat16": dict(device, searcher="exact", dtype="bfloat16"),
+      "approx float32 (recall_target 0.95)": dict(device, searcher="approx"),
   }
   for dims in code_sizes:
     for depth in depths:
       base = dict(searcher="scann", dims_per_block=dims, reorder_num_neighbors=depth)
-      methods[f"scann {dims}/{depth}"] = base  # (the printed name comes from scann_settings)
+      methods[f"scann {dims}/{depth}"] = base  # (the printed name comes from its settings)
       for leaves, searched in trees:
         methods[f"scann {dims}/{depth}/{leaves}:{searched}"] = dict(
             base, num_leaves=leaves, num_leaves_to_search=searched)
@@ -153,12 +155,12 @@ def main():
     if options["searcher"] == "scann":
       import scann  # noqa: F401  (loads TensorFlow: not part of the build time)
     start = time.perf_counter()
-    index = DocIndex(emb, ids, query_batch_size=args.query_batch_size, **options)
+    index = DocIndex(emb, ids, **options)
     build = time.perf_counter() - start
     seconds, found = timed(lambda q: index.search(q, args.k)[1], queries, args.repeats)
     recall = recall_at_k(found, truth)
     if options["searcher"] == "scann":
-      settings = index.scann_settings
+      settings = index.searcher.settings
       tree = (f"{settings['num_leaves']} leaves, {settings['num_leaves_to_search']} searched"
               if settings["num_leaves"] > 1 else "no tree")
       name = "scann + exact re-scoring"

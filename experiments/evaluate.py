@@ -19,8 +19,7 @@ from absl import flags, logging
 from realm_jax import cli
 from realm_jax.data.qa import load_questions
 from realm_jax.eval import report
-from realm_jax.train import finetune
-from realm_jax.train.pretrain import quiet_library_logs
+from realm_jax.systems import open_qa
 
 _CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/finetune.py:<variant>); default: the workdir's config.json.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory of a fine-tuning run.")
@@ -36,17 +35,17 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  quiet_library_logs()
+  cli.quiet_library_logs()
   workdir = _WORKDIR.value
   if _LIMIT.value < 0:  # a negative slice would silently drop the last questions
     raise ValueError(f"--limit={_LIMIT.value}: pass a number of questions >= 1, or 0 for all.")
   report.check_systems(_SYSTEMS.value, _RECALL_ONLY.value)
-  config = _CONFIG.value or finetune.load_workdir_config(workdir)
+  config = _CONFIG.value or open_qa.load_workdir_config(workdir)
   # Refused before the questions, the index and the models are loaded: a work directory without
   # a fine-tuned model (first: check_writable would create a misspelt --workdir), and an eval/
   # that cannot be written.
-  finetune.check_index(workdir)
-  finetune.check_best(workdir)
+  open_qa.check_index(workdir)
+  open_qa.check_best(workdir)
   name, _, split = _DATASET.value.partition(":")
   if _DATASET.value and not split:
     raise ValueError(f"--dataset={_DATASET.value!r}: use NAME:SPLIT, e.g. curated_trec:test.")
@@ -56,13 +55,13 @@ def main(argv):
   if _DATASET.value:
     questions = load_questions(name, split, local_dir=_DATASET_DIR.value or None)
   else:
-    questions = finetune.split_questions(config)[_SPLIT.value]
+    questions = open_qa.split_questions(config)[_SPLIT.value]
     if not questions:
       raise ValueError(f"The {part} part of config.data is empty (test_percent="
                        f"{config.data.test_percent}): evaluate --split=dev, or change the "
                        "config.")
   questions = questions[:_LIMIT.value or None]
-  setup = finetune.QaSetup(config, workdir, build_missing=False)
+  setup = open_qa.QaSetup(config, workdir, build_missing=False)
   ks = tuple(config.ks)
   results = report.evaluate_systems(setup, questions, _SYSTEMS.value, ks, out_dir,
                                     recall_only=_RECALL_ONLY.value)

@@ -11,8 +11,8 @@ experiments/evaluate.py and ask it questions with experiments/ask.py (same flags
 from absl import flags, logging
 
 from realm_jax import cli
+from realm_jax.systems import open_qa
 from realm_jax.train import finetune
-from realm_jax.train.pretrain import quiet_library_logs
 
 _CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/finetune.py:<variant>).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: corpus, index, checkpoints, best model, TensorBoard.")
@@ -22,10 +22,10 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  quiet_library_logs()
+  cli.quiet_library_logs()
   best = finetune.finetune(_CONFIG.value, _WORKDIR.value)
   print(f"Best dev EM {best['dev_em']:.2f} (recall@5 {best['dev_recall']:.2f}) at step "
-        f"{best['step']}, kept in {_WORKDIR.value}/{finetune.BEST}")
+        f"{best['step']}, kept in {_WORKDIR.value}/{open_qa.BEST}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def main(argv):
   c = _CONFIG.value
   devices = _DEVICES.value or c.slice.devices
   if not devices:
-    raise app.UsageError("--devices is needed: this config names no TPU slice.")
+    cli.fail("--devices is needed: this config names no TPU slice (e.g. --devices=8).")
   rows = _ROWS.value or memory.index_rows_for(c)
   est = memory.estimate(c, devices, rows)
   title = f"{c.variant}{' on ' + c.slice.name if c.slice.name else ''}: memory per device (estimate)"

@@ -10,7 +10,6 @@ from absl import flags, logging
 
 from realm_jax import cli
 from realm_jax.train import pretrain
-from realm_jax.train.pretrain import quiet_library_logs
 
 _CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/pretrain.py:<variant>).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory (local or gs://): data, index, checkpoints, TensorBoard.")
@@ -20,7 +19,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  quiet_library_logs()
+  cli.quiet_library_logs()
   pretrain.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 

@@ -9,7 +9,6 @@ from absl import flags, logging
 
 from realm_jax import cli
 from realm_jax.train import refresher
-from realm_jax.train.pretrain import quiet_library_logs
 
 _CONFIG = cli.define_config("config", None, "The trainer's config (realm_jax/configs/pretrain.py:<variant>).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's work directory (local or gs://).")
@@ -21,7 +20,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  quiet_library_logs()
+  cli.quiet_library_logs()
   refresher.run_refresher(_CONFIG.value, _WORKDIR.value, poll_seconds=_POLL.value,
                           stop_after_idle_s=_IDLE.value)
 

@@ -118,3 +118,17 @@ def run(main: Callable[[list[str]], None], stray_hint: str = "") -> None:
       sys.exit(130)
 
   app.run(guarded, flags_parser=_parse_flags)
+
+
+def quiet_library_logs() -> None:
+  """Drops the INFO chatter of orbax and grain (dozens of lines per checkpoint) from absl's log;
+  their warnings and errors still show."""
+  import logging
+  from absl import logging as absl_logging
+
+  class _Filter(logging.Filter):
+    def filter(self, record):
+      noisy = any(f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("orbax", "grain"))
+      return record.levelno >= logging.WARNING or not noisy
+
+  absl_logging.get_absl_handler().addFilter(_Filter())

@@ -27,6 +27,16 @@ def at_least(config, minimums: Mapping[str, float], flag: str = "--config") -> N
       raise ValueError(f"{flag}.{key}={value!r}: must be a number of at least {low}.")
 
 
+def whole_number(name: str, value: Any, low: int, high: int | None = None,
+                 what: str = "") -> None:
+  """Refuses `value` (named `name`: a flag or an argument) unless it is an int, not a bool, in
+  [low, high] (no upper bound when `high` is None); `what` ends the message ("... (0: default)")."""
+  if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
+      or (high is not None and value > high)):
+    span = f"from {low} to {high}" if high is not None else f">= {low}"
+    raise ValueError(f"{name}={value!r}: give a whole number {span}{what}.")
+
+
 def one_of(config, choices: Mapping[str, Iterable[Any]], flag: str = "--config") -> None:
   """Refuses a setting outside its choices, e.g. {"index.refresh": ("sync", "async", "none")}."""
   for key, allowed in choices.items():

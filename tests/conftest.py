@@ -125,10 +125,10 @@ def damaged_best_copy(workdir, tmp_path):
   (best/<step>) lost its largest data file."""
   import pathlib
   import shutil
-  from realm_jax.train import finetune
+  from realm_jax.systems import open_qa
   where = pathlib.Path(tmp_path) / "w"
   shutil.copytree(workdir, where)
-  (step,) = [p for p in (where / finetune.BEST).iterdir() if p.name.isdigit()]
+  (step,) = [p for p in (where / open_qa.BEST).iterdir() if p.name.isdigit()]
   biggest = max((p for p in (step / "state").rglob("*") if p.is_file()),
                 key=lambda p: p.stat().st_size)
   biggest.unlink()

@@ -18,11 +18,13 @@ from conftest import NQ_OPEN as NQ
 from conftest import damaged_best_copy, one_device_env
 
 from realm_jax.eval import ask
-from realm_jax.train import finetune
+from realm_jax.systems import open_qa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "experiments", "colab", "realm_jax_demo.ipynb")
 QUESTION = "who wrote the origin of species"
+# Every test here reads the tiny fine-tuning run of conftest.tiny_qa_workdir (~45 s to make).
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,7 @@ def mistake(case, workdir, tmp_path):
   if case in ("no_config", "no_index", "corrupt_index", "no_model"):
     where = str(tmp_path / "w")
     if case == "no_model":  # everything but the fine-tuned model
-      shutil.copytree(workdir, where, ignore=shutil.ignore_patterns(finetune.BEST, "checkpoints"))
+      shutil.copytree(workdir, where, ignore=shutil.ignore_patterns(open_qa.BEST, "checkpoints"))
     else:
       os.makedirs(where)
       if case in ("no_index", "corrupt_index"):
@@ -154,11 +156,10 @@ def test_non_finite_scores_are_never_answers(workdir, system):
   """Damaged index embeddings (here: infinite) gave the answer score inf, printed as an answer.
   The question is refused instead, naming the index; the interactive loop reports that as an
   error line."""
-  from realm_jax.eval.open_qa import OpenQa
-  from realm_jax.retrieval.index import latest_index_dir
-  damaged = OpenQa(system.batcher, system.models, system.params, system.index,
-                   np.full_like(system.table, np.inf), reader_blocks=system.reader_blocks,
-                   batch_size=system.batch_size)
+  from realm_jax.retrieval.index_store import latest_index_dir
+  damaged = open_qa.OpenQa(system.batcher, system.models, system.params, system.index,
+                           np.full_like(system.table, np.inf), reader_blocks=system.reader_blocks,
+                           batch_size=system.batch_size)
   with pytest.raises(ValueError, match=(
       rf"No answer to '{QUESTION}': the retrieval scores of its blocks are not finite .*The index "
       rf"{re.escape(latest_index_dir(os.path.join(workdir, 'index')))} holds damaged "
@@ -206,6 +207,6 @@ def test_a_damaged_model_ends_in_one_error_line(workdir, tmp_path):
   assert got.returncode == 2, (got.stdout, got.stderr)
   errors = [line for line in got.stderr.splitlines() if line.startswith("error: ")]
   assert len(errors) == 1 and "Traceback" not in got.stderr and got.stdout == "", got.stderr
-  assert f"No checkpoint in {where}/{finetune.BEST} can be read (step {step.name}: " in errors[0]
+  assert f"No checkpoint in {where}/{open_qa.BEST} can be read (step {step.name}: " in errors[0]
   assert "Nothing was changed. Restore" in errors[0] and "another --workdir" in errors[0]
-  assert step.is_dir() and not (where / f"{finetune.BEST}-damaged").exists()
+  assert step.is_dir() and not (where / f"{open_qa.BEST}-damaged").exists()

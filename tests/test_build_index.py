@@ -40,6 +40,7 @@ def setup(tmp_path_factory):
   return root, cfg, params
 
 
+@pytest.mark.slow
 def test_build_index_with_hf_retriever_weights(setup):
   root, cfg, params = setup
   result = build.build_and_evaluate(cfg, str(root / "work"))
@@ -47,7 +48,7 @@ def test_build_index_with_hf_retriever_weights(setup):
   corpus, index, query_tower = build.load_built_index(cfg, str(root / "work"))
   assert len(corpus) == 25 and index.dim == 16 and index.count == 25
   # The document tower embeds blocks, the (separate) query tower questions.
-  from realm_jax.eval.retrieval import embed_questions
+  from realm_jax.retrieval.recall import embed_questions
   from realm_jax.models import RealmEmbedder
   rows = np.arange(len(corpus))
   inputs = corpus.model_inputs(rows, cfg.max_length, query_tower.tokenizer)
@@ -112,7 +113,7 @@ def test_missing_index_and_bad_weights_are_clear(setup, tmp_path):
     build.load_built_index(cfg, str(tmp_path / "empty"))
   bad = cfg.copy_and_resolve_references()
   bad.weights = str(tmp_path / "nowhere")
-  with pytest.raises(FileNotFoundError, match="Retriever weights .*nowhere is not a directory"):
+  with pytest.raises(FileNotFoundError, match="--config.weights=.*nowhere is not a directory"):
     build.build_index(bad, str(tmp_path / "w"))
 
 
@@ -125,17 +126,17 @@ def test_scann_settings_come_from_the_config(setup, tmp_path):
   scann_cfg.index.scann.dims_per_block = 4
   scann_cfg.index.scann.reorder_num_neighbors = 25
   _, index, query_tower = build.load_built_index(scann_cfg, str(tmp_path))
-  assert index.scann_settings == dict(num_leaves=1, num_leaves_to_search=1,
-                                      reorder_num_neighbors=25, dims_per_block=4)
+  assert index.searcher.settings == dict(num_leaves=1, num_leaves_to_search=1,
+                                         reorder_num_neighbors=25, dims_per_block=4)
   # Re-ordering all 25 blocks exactly: the same top 10 as exact search, with its scores.
-  from realm_jax.eval.retrieval import embed_questions
+  from realm_jax.retrieval.recall import embed_questions
   q = embed_questions(query_tower, ["w1 w2 w3", "w7 w8"])
   want_scores, want_ids = exact.search(q, 10)
   scores, found = index.search(q, 10)
   np.testing.assert_array_equal(found, want_ids)
   np.testing.assert_allclose(scores, want_scores, atol=1e-5)
   scann_cfg.index.scann.dims_per_block = 0  # 0: DocIndex's default (2)
-  assert build.load_built_index(scann_cfg, str(tmp_path))[1].scann_settings[
+  assert build.load_built_index(scann_cfg, str(tmp_path))[1].searcher.settings[
       "dims_per_block"] == 2
 
 

@@ -90,6 +90,8 @@ def _cases(files):
       ("ask-missing-workdir", "ask", ["--workdir={W}", "--question=who"], ["{W}"]),
       ("memory_estimate-unknown-variant", "memory_estimate",
        ["--config=realm_jax/configs/pretrain.py:nope"], ["nope"]),
+      ("memory_estimate-no-devices", "memory_estimate",
+       ["--config=realm_jax/configs/pretrain.py:demo"], ["--devices"]),
   ]
   return cases
 
@@ -128,6 +130,8 @@ def test_at_least_the_issue_cases():
 
 
 @pytest.mark.parametrize("name", _ids())
+# Slow: the `answers` fixture runs every case as a subprocess (~90 s on 2 cores).
+@pytest.mark.slow
 def test_user_mistake_is_one_error_line(answers, name):
   (_, _, _, words), got, workdir = answers[name]
   stderr = got.stderr

@@ -402,6 +402,7 @@ print(json.dumps([b["body"] for b in blocks]))
 """
 
 
+@pytest.mark.slow
 def test_a_5_mb_document_is_packed_in_seconds_and_keeps_its_text(tmp_path, vocab_file, articles):
   """pysbd's time grows with the square of a line's length: one 5 MB document stalled a corpus
   build for hours, without a word. Real summaries, once with line breaks between them and once
@@ -423,6 +424,7 @@ def test_a_5_mb_document_is_packed_in_seconds_and_keeps_its_text(tmp_path, vocab
   assert "".join("".join(bodies).split()) == "".join(text.split())
 
 
+@pytest.mark.slow
 def test_documents_up_to_the_limit_keep_their_sentences_and_blocks(tok, articles, monkeypatch):
   """Block ids are SHA-1s of their text, and corpora and indexes are named after them: a document
   of up to 50,000 characters is still split by one pysbd call over all of it, as it always was."""

@@ -1,11 +1,20 @@
 """The README and docs/*.md stay a short, correct map of the project: the README is short and free
 of commit hashes (history lives in docs/notes.md), every relative link (and its #anchor) resolves,
-and every script, flagfile and config a command names exists (configs: `get_config(variant)`
-returns). Reads files only; a second or two.
+every script, flagfile and config a command names exists (configs: `get_config(variant)`
+returns), and every `python experiments/<x>.py ...` (or benchmarks/) command of a ```bash block
+parses: its script reads its flags as it would for the user, up to where its main would start
+(`python tests/test_docs.py <script>` is that dry run): one process per script, ~10 s in all on
+2 busy cores.
 """
 
+import concurrent.futures
 import importlib.util
+import json
+import os
 import re
+import shlex
+import subprocess
+import sys
 import unicodedata
 from pathlib import Path
 
@@ -131,3 +140,206 @@ def test_named_scripts_flagfiles_and_configs_exist(doc):
     module = _load_config_module(ROOT / path)
     config = module.get_config(variant) if variant else module.get_config()
     assert config is not None, f"{path}:{variant}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Every documented command parses.
+# ---------------------------------------------------------------------------------------------
+
+_ENTRY_POINT = re.compile(r"^(?:experiments|benchmarks)/\w+\.py$")
+_VARIABLE = re.compile(r"\$(\w+)|\$\{(\w+)\}")
+_ASSIGNMENT = re.compile(r"^([A-Za-z_]\w*)=(.*)$")
+_SEPARATORS = {"&&", "||", ";", "|", "&"}
+
+
+def bash_commands(text: str) -> list[tuple[int, list[str]]]:
+  """[(line, argv)] for each `python <experiments|benchmarks>/<x>.py ...` in the ```bash blocks of
+  a markdown text: continuation lines joined, comments dropped, `&&` chains split, and shell
+  variables set earlier in the block (`F=...` alone on a line) substituted; argv[0] is the
+  script."""
+  found, block, pending, start = [], None, "", 0
+  for number, line in enumerate(text.splitlines(), 1):
+    if line.strip().startswith("```"):
+      block = line.strip()[3:].strip() if block is None else None
+      variables = {}
+      continue
+    if block != "bash":
+      continue
+    if not pending:
+      start = number
+    if line.rstrip().endswith("\\"):
+      pending += line.rstrip()[:-1] + " "
+      continue
+    line, pending = pending + line, ""
+    line = _VARIABLE.sub(lambda m: variables.get(m.group(1) or m.group(2), m.group(0)), line)
+    tokens = shlex.split(line, comments=True)
+    if len(tokens) == 1 and _ASSIGNMENT.match(tokens[0]):
+      name, value = _ASSIGNMENT.match(tokens[0]).groups()
+      variables[name] = value
+      continue
+    command = []
+    for token in tokens + [";"]:
+      if token not in _SEPARATORS:
+        command.append(token)
+        continue
+      for i, word in enumerate(command[1:], 1):
+        if _ENTRY_POINT.match(word) and os.path.basename(command[i - 1]) in ("python", "python3"):
+          found.append((start, command[i:]))
+          break
+      command = []
+  return found
+
+
+def _doc_commands() -> list[tuple[str, int, list[str]]]:
+  return [(_rel(doc), line, argv) for doc in DOCS
+          for line, argv in bash_commands(doc.read_text(encoding="utf-8"))]
+
+
+COMMANDS = _doc_commands()
+# Mistakes the check must catch (else it could pass by parsing nothing): (argv, what the error
+# says).
+_DEMO = ["experiments/pretrain.py", "--flagfile=experiments/flags/pretrain_demo.flags"]
+MISTAKES = [
+    ([*_DEMO, "--config.no_such_setting=1"], "no_such_setting"),
+    ([*_DEMO, "--workdirr=work/x"], "workdirr"),
+    ([*_DEMO, "--config.num_steps=many"], "invalid literal for int()"),
+    ([*_DEMO, "stray words"], "unexpected arguments"),
+]
+
+
+def dry_run(script: str, argvs: list[list[str]]) -> None:
+  """Parses each argv (argv[0] is `script`) as the script would, stopping where its main would
+  start: for absl entry points, `cli.run` / `app.run` with every flag check (unknown flags,
+  `--config.<key>` overrides the config lacks, values that do not parse, stray arguments); for
+  argparse ones, `parse_args`. Prints one `dry-run: {"status": exit status, "output": ...}` line
+  per argv. The script is loaded (its imports, its flag definitions) once; each argv is parsed in
+  a forked child, since absl flags (and the `--config.*` flags ml_collections defines while
+  parsing) are parsed once per process. A script with neither takes no flags: it is not run."""
+  if not re.search(r"\b(cli\.run|app\.run|ArgumentParser)\(", (ROOT / script).read_text()):
+    for argv in argvs:
+      status, output = (0, "") if len(argv) == 1 else (2, f"{script} takes no flags: {argv[1:]}")
+      print("dry-run:", json.dumps({"status": status, "output": output}), flush=True)
+    return
+  import argparse
+  import runpy
+  import tempfile
+  import traceback
+
+  from absl import app
+
+  from realm_jax import cli
+
+  class Parsed(Exception):
+    pass
+
+  real_app_run, real_cli_run = app.run, cli.run
+  real_parse_args = argparse.ArgumentParser.parse_args
+  started = []
+
+  def parse_only(self, *args, **kwargs):
+    real_parse_args(self, *args, **kwargs)
+    raise Parsed
+
+  argparse.ArgumentParser.parse_args = parse_only
+  cli.run = lambda main, *a, **kw: started.append(lambda: real_cli_run(lambda argv: None, *a, **kw))
+  app.run = lambda main, *a, **kw: started.append(lambda: real_app_run(lambda argv: None, *a, **kw))
+  sys.argv = [script]
+  try:
+    runpy.run_path(script, run_name="__main__")  # defines the flags; absl parses nothing yet
+  except (Parsed, SystemExit):
+    pass
+  app.run = real_app_run
+  for argv in argvs:
+    with tempfile.TemporaryFile("w+") as out:
+      sys.stdout.flush()
+      pid = os.fork()
+      if pid == 0:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        status = 1
+        try:
+          sys.argv = argv
+          if started:
+            started[0]()
+          else:
+            runpy.run_path(script, run_name="__main__")
+          status = 0
+        except Parsed:
+          status = 0
+        except SystemExit as e:
+          status = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:  # noqa: B036  a bug, not a user's mistake: its traceback is shown
+          traceback.print_exc()
+        finally:
+          sys.stdout.flush()
+          sys.stderr.flush()
+          os._exit(status)
+      _, wait = os.waitpid(pid, 0)
+      out.seek(0)
+      print("dry-run:", json.dumps({"status": os.waitstatus_to_exitcode(wait),
+                                    "output": out.read()}), flush=True)
+
+
+def _dry_run_in_subprocess(script: str, argvs: list[list[str]]) -> list[tuple[int, str]]:
+  got = subprocess.run([sys.executable, __file__, script], input=json.dumps(argvs), cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+  results = [json.loads(line.removeprefix("dry-run: "))
+             for line in got.stdout.splitlines() if line.startswith("dry-run: ")]
+  if got.returncode != 0 or len(results) != len(argvs):  # the script does not even load
+    failed = f"python tests/test_docs.py {script} failed:\n{got.stdout[-3000:]}{got.stderr[-3000:]}"
+    return [(-1, failed)] * len(argvs)
+  return [(r["status"], r["output"]) for r in results]
+
+
+@pytest.fixture(scope="module")
+def parsed() -> dict[tuple[str, ...], tuple[int, str]]:
+  """{argv: (exit status, output)} for every documented command and every mistake in MISTAKES,
+  one process per script, two at a time (an exit status of -1: the script did not load)."""
+  by_script: dict[str, list[list[str]]] = {}
+  for argv in [argv for _, _, argv in COMMANDS] + [argv for argv, _ in MISTAKES]:
+    by_script.setdefault(argv[0], []).append(argv)
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    runs = {s: pool.submit(_dry_run_in_subprocess, s, argvs) for s, argvs in by_script.items()}
+    return {tuple(argv): result for s, argvs in by_script.items()
+            for argv, result in zip(argvs, runs[s].result())}
+
+
+def test_commands_are_found():
+  text = "\n".join([
+      "```bash",
+      "F=experiments/flags/x.flags   # a flagfile",
+      "python3 -m venv .venv && .venv/bin/python experiments/a.py --flagfile=$F  # comment",
+      ".venv/bin/python benchmarks/b.py --n=2 \\",
+      "    --q='who, then' | tail -3",
+      "python experiments/c.py",
+      "```",
+      "python experiments/outside_a_block.py",
+      "```python",
+      "python experiments/not_bash.py",
+      "```",
+  ])
+  assert bash_commands(text) == [
+      (3, ["experiments/a.py", "--flagfile=experiments/flags/x.flags"]),
+      (4, ["benchmarks/b.py", "--n=2", "--q=who, then"]),
+      (6, ["experiments/c.py"])]
+  scripts = {argv[0] for _, _, argv in COMMANDS}
+  assert {"experiments/pretrain.py", "experiments/finetune.py"} <= scripts, scripts
+
+
+@pytest.mark.parametrize("argv,says", MISTAKES, ids=[m[0][-1] for m in MISTAKES])
+def test_the_command_check_catches_mistakes(parsed, argv, says):
+  status, output = parsed[tuple(argv)]
+  assert status == 2 and says in output, (status, output[-2000:])
+
+
+@pytest.mark.parametrize("doc,line,argv", COMMANDS, ids=[f"{d}:{n}" for d, n, _ in COMMANDS])
+def test_documented_commands_parse(parsed, doc, line, argv):
+  status, output = parsed[tuple(argv)]
+  assert status == 0, (
+      f"{doc}:{line}: `python {shlex.join(argv)}` does not parse (exit status {status}); fix the "
+      f"command or the script's flags:\n{output[-2000:]}")
+
+
+if __name__ == "__main__":
+  # python tests/test_docs.py <script> < argvs.json: see dry_run.
+  dry_run(sys.argv[1], json.load(sys.stdin))

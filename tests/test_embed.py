@@ -66,6 +66,7 @@ def _result(out):
   return load_file(str(out / "result.safetensors"))["e"]
 
 
+@pytest.mark.slow
 def test_sigkilled_embedding_resumes_to_the_same_result(setup, tmp_path):
   _run(setup, tmp_path / "full", slow=0.0)
   full = _result(tmp_path / "full")
@@ -146,7 +147,7 @@ def test_tower_of_plain_bert_weights(bert_dir):
 
 def test_orbax_checkpoint_as_weights_says_what_to_pass(tmp_path):
   from realm_jax.retrieval.towers import load_towers
-  from realm_jax.train import checkpoints
+  from realm_jax.checkpoints import training as checkpoints
   workdir = tmp_path / "ict"
   manager = checkpoints.checkpoint_manager(str(workdir / "checkpoints"), asynchronous=False,
                                            data=False)

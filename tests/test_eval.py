@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from realm_jax.data.qa import load_qa_jsonl
-from realm_jax.eval.answers import exact_match, has_answer, normalize_answer, regex_match
-from realm_jax.eval.retrieval import recall_at_k
+from realm_jax.retrieval.recall import recall_at_k
+from realm_jax.text.answers import exact_match, has_answer, normalize_answer, regex_match
 
 
 @pytest.mark.parametrize("text,want", [
@@ -64,7 +64,7 @@ def test_recall_at_k_by_hand():
 def test_retrieval_hits_by_hand():
   """Normalised whole words for text answers, patterns for regex answers (CuratedTREC); ids
   not in the corpus are no hit."""
-  from realm_jax.eval.retrieval import retrieval_hits
+  from realm_jax.retrieval.recall import retrieval_hits
 
   class Blocks:  # two blocks with ids 10 and 20
     texts = [("Eiffel Tower", "It was built in 1889."), ("Paris", "The capital of France.")]
@@ -126,7 +126,8 @@ def test_evaluate_refuses_an_eval_directory_it_cannot_write_before_loading(tmp_p
   import subprocess
   import sys
   from realm_jax.configs.finetune import get_config
-  from realm_jax.retrieval.index import DocIndex, publish_index
+  from realm_jax.retrieval.index import DocIndex
+  from realm_jax.retrieval.index_store import publish_index
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   workdir = tmp_path / "w"
   workdir.mkdir()

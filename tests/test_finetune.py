@@ -16,8 +16,9 @@ from test_qa_step import MODELS, make_batch, make_params
 from realm_jax.configs.finetune import get_config
 from realm_jax.data.qa_batches import answers_of
 from realm_jax.eval import report
-from realm_jax.eval.answers import exact_match
 from realm_jax.retrieval.bm25 import BM25Index
+from realm_jax.systems import open_qa
+from realm_jax.text.answers import exact_match
 from realm_jax.train import finetune
 from realm_jax.train.qa_step import TrainState, qa_train_step
 
@@ -33,20 +34,23 @@ def tiny_config(**overrides):
   return c
 
 
+# The tests that read the shared tiny run (conftest.tiny_qa_workdir, ~45 s to make) are marked slow.
 @pytest.fixture(scope="module")
 def run(tiny_qa_workdir):
   """The shared tiny run (conftest): 2 retriever-only + 2 joint steps, dev every 2 steps."""
-  setup = finetune.QaSetup(finetune.load_workdir_config(tiny_qa_workdir), tiny_qa_workdir,
-                           build_missing=False)
+  setup = open_qa.QaSetup(open_qa.load_workdir_config(tiny_qa_workdir), tiny_qa_workdir,
+                          build_missing=False)
   return tiny_qa_workdir, setup
 
 
+@pytest.mark.slow
 def test_loop_logs_selects_and_checkpoints(run):
   workdir, setup = run
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   train = [r for r in rows if r["split"] == "train"]
   dev = [r for r in rows if r["split"] == "dev"]
-  assert [r["step"] for r in train] == [2, 4] and [r["step"] for r in dev] == [2, 4]
+  # Dev at step 0 (the starting point), every 2 steps and at the end (realm_jax/train/loop.py).
+  assert [r["step"] for r in train] == [2, 4] and [r["step"] for r in dev] == [0, 2, 4]
   assert all(np.isfinite(r["loss"]) for r in train)
   # Steps 1-2 are retriever-only: no reader loss, and the reader's learning rate is still 0.
   assert train[0]["reader_loss"] == 0.0 and train[0]["reader_learning_rate"] == 0.0
@@ -62,6 +66,7 @@ def test_loop_logs_selects_and_checkpoints(run):
   assert latest["best"]["step"] == meta["step"] and latest["position"]["cursor"] > 0
 
 
+@pytest.mark.slow
 def test_rerun_resumes_and_has_nothing_left_to_do(run):
   workdir, setup = run
   _, meta = setup.best_params()
@@ -71,6 +76,7 @@ def test_rerun_resumes_and_has_nothing_left_to_do(run):
   assert int(trainer.state.step) == 4 and trainer.position["cursor"] > 0
 
 
+@pytest.mark.slow
 def test_restart_after_best_outran_its_record(run, tmp_path):
   """The run died after saving best/ but before a regular checkpoint recorded it (none here):
   the restart reads the record from best/ itself; the kept step evaluated again neither crashes
@@ -101,6 +107,7 @@ def test_restart_after_best_outran_its_record(run, tmp_path):
     trainer.metrics.close()
 
 
+@pytest.mark.slow
 def test_workdir_with_other_data_is_refused(run):
   workdir, _ = run
   other = tiny_config()
@@ -109,6 +116,7 @@ def test_workdir_with_other_data_is_refused(run):
     finetune.QaTrainer(other, workdir)
 
 
+@pytest.mark.slow
 def test_recall_k_beyond_the_corpus_is_refused_before_training(run, tmp_path):
   """config.ks asking for more blocks than the corpus has (40 here) is refused when the run
   starts, naming config.ks (it was an index error at the first dev evaluation, after training
@@ -123,7 +131,7 @@ def test_recall_k_beyond_the_corpus_is_refused_before_training(run, tmp_path):
     finetune.QaTrainer(tiny_config(ks=(1, 5, 41)), where)
   assert not os.path.exists(os.path.join(where, "checkpoints"))
   system = setup.system(setup.init_params)
-  questions = finetune.split_questions(setup.config)["dev"][:2]
+  questions = open_qa.split_questions(setup.config)["dev"][:2]
   for ks in ((1, 41), (0, 5)):
     with pytest.raises(ValueError, match=r"config.ks=.*recall@k needs 1 <= k <= 40"):
       evaluate_open_qa(system, questions, ks=ks, read=False)
@@ -154,7 +162,7 @@ def test_bad_counts_are_refused_before_anything_runs(tmp_path, key, value, error
 
 
 @pytest.mark.parametrize("key,value,error", [
-    ("reader_weights", "/nowhere/reader", r"config.reader_weights='/nowhere/reader' is not a "
+    ("reader_weights", "/nowhere/reader", r"config.reader_weights=/nowhere/reader is not a "
                                           "directory"),
     ("data.local_dir", "/nowhere/nq", r"folder /nowhere/nq does not exist"),
     ("retrieval.index.searcher", "faiss", r"searcher='faiss': use one of"),
@@ -173,6 +181,7 @@ def test_a_config_refused_for_a_typo_does_not_claim_the_workdir(tmp_path, key, v
   assert not os.path.exists(tmp_path / "w" / "config.json")
 
 
+@pytest.mark.slow
 def test_reader_waits_for_the_retriever_steps():
   """qa_optimizer: during the retriever-only steps the reader does not move at all (lr 0, no
   decay); then it does. The question tower moves from the first step."""
@@ -204,10 +213,11 @@ def test_reader_waits_for_the_retriever_steps():
     finetune.qa_optimizer(tiny_config(num_steps=4, retriever_steps=4))
 
 
+@pytest.mark.slow
 def test_evaluate_systems_against_independent_computation(run, tmp_path):
   workdir, setup = run
   config = setup.config
-  questions = finetune.split_questions(config)["test"][:12]
+  questions = open_qa.split_questions(config)["test"][:12]
   ks = (1, 2, 5)
   results = report.evaluate_systems(setup, questions, ks=ks, out_dir=str(tmp_path),
                                     progress=False)
@@ -250,6 +260,7 @@ def test_evaluate_systems_against_independent_computation(run, tmp_path):
   assert "| finetuned |" in report.format_table(results, ks)
 
 
+@pytest.mark.slow
 def test_curated_trec_style_questions_are_matched_not_compared(run, tmp_path):
   """Regex answers: recall counts a block whose text a pattern matches anywhere; EM asks the
   pattern to match the predicted answer from its start (DrQA), checked on the written predictions."""
@@ -274,7 +285,7 @@ def test_a_workdir_keeps_its_reader_layout(tmp_path):
   """reader_title and reader_length change every reader input and positive: a run made without
   the reader_title setting (titles read) resumes with the default and is refused with titles
   off, as is another reader_length, score scale, question length or number of gold spans."""
-  from realm_jax.train.pretrain import check_workdir_config
+  from realm_jax.train.loop import check_workdir_config
   config = get_config("wiki_vital")
   check_workdir_config(config, str(tmp_path), finetune._FIXED)
   saved = json.loads((tmp_path / "config.json").read_text())
@@ -290,6 +301,7 @@ def test_a_workdir_keeps_its_reader_layout(tmp_path):
       check_workdir_config(other, str(tmp_path), finetune._FIXED)
 
 
+@pytest.mark.slow
 def test_a_damaged_best_model_stops_the_resume_saying_what_to_do(run, tmp_path):
   """A data file of best/'s only model deleted: resuming reads it (not only its record), and,
   with no older model to fall back to, stops with one ValueError naming best/ and what to do,
@@ -298,10 +310,10 @@ def test_a_damaged_best_model_stops_the_resume_saying_what_to_do(run, tmp_path):
   where, step = damaged_best_copy(workdir, tmp_path)
   trainer = finetune.QaTrainer(tiny_config(), str(where))
   try:
-    with pytest.raises(ValueError, match=rf"No checkpoint in {where}/{finetune.BEST} can be read "
+    with pytest.raises(ValueError, match=rf"No checkpoint in {where}/{open_qa.BEST} can be read "
                        rf"\(step {step.name}: .+\)\. Nothing was changed\. Move {where}/"
-                       rf"{finetune.BEST} away to go on fine-tuning without it"):
+                       rf"{open_qa.BEST} away to go on fine-tuning without it"):
       trainer.restore()
   finally:
     trainer.metrics.close()
-  assert step.is_dir() and not (where / f"{finetune.BEST}-damaged").exists()
+  assert step.is_dir() and not (where / f"{open_qa.BEST}-damaged").exists()

@@ -128,6 +128,7 @@ def test_encoder_loss_and_candidate_log_probs_match_hf(encoder_pair, hf_config, 
       assert _record("encoder", aux["candidate_log_probs"][i, :, j], want) <= ATOL
 
 
+@pytest.mark.slow
 def test_encoder_loss_gradients_match_hf(encoder_pair, hf_config, jax_config):
   hf, params = encoder_pair
   ids, mask, types, labels, relevance = _encoder_case(hf_config, seed=5)
@@ -160,6 +161,7 @@ def test_encoder_loss_gradients_match_hf(encoder_pair, hf_config, jax_config):
   assert checked == len(list(hf.parameters()))
 
 
+@pytest.mark.slow
 def test_reader_span_logits_and_losses_match_hf(hf_config, jax_config):
   hf = perturbed(realm_hf.RealmReader(hf_config), seed=6)
   params, _ = from_hf_state_dict(hf.state_dict(), "reader", jax_config)

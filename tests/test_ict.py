@@ -34,6 +34,7 @@ def _global_softmax_loss(logits):
   return float(np.mean(lse - np.diagonal(logits)))
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_one_device_with_negatives_from_the_global_batch():
   config = tiny_config(num_hidden_layers=1)
   model = RealmRetriever(config, share_embedders=False)
@@ -49,7 +50,10 @@ def test_sharded_step_equals_one_device_with_negatives_from_the_global_batch():
   out = {}
   for n in (8, 1):
     mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
-    step, _ = ict.jit_steps(model, mesh, dropout=False)
+    replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    step = jax.jit(functools.partial(ict.ict_step, model=model, dropout=False),
+                   in_shardings=(replicated, data, replicated),
+                   out_shardings=(replicated, replicated), donate_argnums=0)
     state = jax.jit(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx),
                     out_shardings=NamedSharding(mesh, P()))(params)
     sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
@@ -173,6 +177,7 @@ def test_pipeline_is_deterministic_resumable_and_splits_blocks(corpus_setup):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tiny_run_exports_towers_that_index_pretraining_and_restore_accept(corpus_setup):
   from realm_jax.configs.build_index import get_config as build_index_config
   from realm_jax.configs.ict import get_config
@@ -238,7 +243,7 @@ def test_tiny_run_exports_towers_that_index_pretraining_and_restore_accept(corpu
   again = ict.ICTTrainer(cfg, workdir)
   again.restore()
   assert int(again.state.step) == 4
-  assert again.train_iter.get_state() == trainer.train_iter.get_state()
+  assert again.data_iterator.get_state() == trainer.data_iterator.get_state()
   for a, b in zip(jax.tree.leaves(jax.device_get(again.state.params)), jax.tree.leaves(trained)):
     np.testing.assert_array_equal(a, b)
 
@@ -325,6 +330,7 @@ def test_bert_weights_that_are_not_a_directory_are_named(tmp_path):
       ict.build_retriever(cfg)
 
 
+@pytest.mark.slow
 def test_a_config_refused_for_a_typo_does_not_claim_the_workdir(corpus_setup, tmp_path):
   """The workdir keeps the config of its run: a config that fails its checks must not become it,
   or the corrected command is refused as 'a run made with another config'."""

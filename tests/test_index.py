@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from realm_jax.retrieval import index as index_lib
-from realm_jax.retrieval.index import (DocIndex, index_dirs, latest_index_dir, point_latest,
-                                       prune_indexes, publish_index, read_manifest)
+from realm_jax.retrieval import exact
+from realm_jax.retrieval.exact import ApproxSearcher, brute_force_top_k
+from realm_jax.retrieval.index import DocIndex, index_options
+from realm_jax.retrieval.index_store import (arrays_crc32, index_dirs, latest_index_dir,
+                                             point_latest, prune_indexes, publish_index,
+                                             read_manifest)
 
 DIM = 16
 
@@ -60,7 +63,8 @@ def eight_devices():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("n", [1, 13, 301, 1029])
+@pytest.mark.parametrize("n", [1, 13, pytest.param(301, marks=pytest.mark.slow),
+                               pytest.param(1029, marks=pytest.mark.slow)])
 def test_exact_sharded_equals_brute_force(n, dtype):
   emb, ids, queries = untied_data(n, n, q=5)
   index = DocIndex(emb, ids, dtype=dtype)
@@ -91,9 +95,9 @@ def test_exact_sharded_equals_brute_force(n, dtype):
 def test_embeddings_are_sharded_over_all_devices_and_padded():
   emb, ids, _ = untied_data(0, 13, q=1)
   index = DocIndex(np.abs(emb) + 0.1, ids)
-  assert len(index._emb.sharding.device_set) == 8
-  assert index._emb.shape == (16, DIM)  # 13 rows padded to 2 per device
-  assert {s.data.shape for s in index._emb.addressable_shards} == {(2, DIM)}
+  assert len(index.searcher.emb.sharding.device_set) == 8
+  assert index.searcher.emb.shape == (16, DIM)  # 13 rows padded to 2 per device
+  assert {s.data.shape for s in index.searcher.emb.addressable_shards} == {(2, DIM)}
   # Every row scores below 0 here, so an unmasked (zero) padding row would come first.
   scores, found = index.search(-np.ones((2, DIM), np.float32), 13)
   assert (scores < 0).all() and set(found[0]) == set(ids)
@@ -102,7 +106,7 @@ def test_embeddings_are_sharded_over_all_devices_and_padded():
 def test_explicit_mesh_of_three_devices():
   emb, ids, queries = untied_data(1, 13, q=4)
   index = DocIndex(emb, ids, mesh=Mesh(np.array(jax.devices()[:3]), ("data",)))
-  assert len(index._emb.sharding.device_set) == 3
+  assert len(index.searcher.emb.sharding.device_set) == 3
   scores, found = index.search(queries, 5)
   want_scores, want_ids = brute_force(queries, emb, ids, 5)
   np.testing.assert_array_equal(found, want_ids)
@@ -111,8 +115,7 @@ def test_explicit_mesh_of_three_devices():
 
 def test_many_queries_are_batched_and_not_recompiled(monkeypatch):
   chex.clear_trace_counter()
-  monkeypatch.setattr(index_lib, "_sharded_top_k",
-                      chex.assert_max_traces(index_lib._sharded_top_k, n=1))
+  monkeypatch.setattr(exact, "_sharded_top_k", chex.assert_max_traces(exact._sharded_top_k, n=1))
   emb, ids, queries = untied_data(2, 301, q=11)
   index = DocIndex(emb, ids, query_batch_size=4)
   for q, exclude in [(queries, None), (queries[:8], ids[:8]), (queries[3:], None)]:
@@ -157,7 +160,7 @@ def test_non_finite_queries_still_get_valid_rows(searcher):
     assert all(len(set(row)) == k for row in found)
     assert not (found == exclude[:, None]).any()
     assert not np.isnan(scores).any() and not np.isposinf(scores).any()
-  _, rows = index_lib.brute_force_top_k(queries, emb, 300, np.arange(4)[:, None])
+  _, rows = brute_force_top_k(queries, emb, 300, np.arange(4)[:, None])
   assert not (rows == np.arange(4)[:, None]).any() and all(len(set(r)) == 300 for r in rows)
 
 
@@ -248,7 +251,7 @@ def test_small_query_counts_share_a_few_compiled_shapes():
     scores, found = index.search(queries[:q], 3)
     assert found.shape == (q, 3)
     np.testing.assert_array_equal(found, brute_force(queries[:q], emb, ids, 3)[1])
-  assert index._search_fn._cache_size() == 7
+  assert index.searcher._search_fn._cache_size() == 7
 
 
 def test_index_options_from_a_config():
@@ -257,20 +260,20 @@ def test_index_options_from_a_config():
   from ml_collections import ConfigDict
   settings = dict(num_leaves=0, num_leaves_to_search=0, reorder_num_neighbors=50, dims_per_block=4)
   config = ConfigDict(dict(searcher="scann", dtype="bfloat16", scann=settings))
-  assert index_lib.index_options(config) == dict(searcher="scann", dtype="bfloat16",
-                                                 reorder_num_neighbors=50, dims_per_block=4)
+  assert index_options(config) == dict(searcher="scann", dtype="bfloat16",
+                                       reorder_num_neighbors=50, dims_per_block=4)
   config.searcher = "exact"
-  assert index_lib.index_options(config) == dict(searcher="exact", dtype="bfloat16")
+  assert index_options(config) == dict(searcher="exact", dtype="bfloat16")
   old = ConfigDict(dict(searcher="scann", dtype="float32"))
-  assert index_lib.index_options(old) == dict(searcher="scann", dtype="float32")
+  assert index_options(old) == dict(searcher="scann", dtype="float32")
   typo = ConfigDict(dict(searcher="scann", dtype="float32", scann=dict(dims_per_blok=4)))
   with pytest.raises(ValueError, match="dims_per_blok"):
-    index_lib.index_options(typo)
+    index_options(typo)
   negative = ConfigDict(dict(searcher="exact", dtype="float32", scann=dict(num_leaves=-5)))
   with pytest.raises(ValueError, match=r"--config.index.scann.num_leaves=-5: give a whole number"):
-    index_lib.index_options(negative)
+    index_options(negative)
   with pytest.raises(ValueError, match="--config.index.searcher='faiss'"):
-    index_lib.index_options(ConfigDict(dict(searcher="faiss", dtype="float32")))
+    index_options(ConfigDict(dict(searcher="faiss", dtype="float32")))
 
 
 def test_scann_too_few_candidates_falls_back_to_exact():
@@ -297,7 +300,7 @@ def test_save_load_round_trip(tmp_path, dtype):
   save_id = manifest.pop("save_id")
   assert manifest == {"format_version": 1, "step": 7, "model_fingerprint": "m1",
                       "corpus_fingerprint": "c1", "dtype": dtype, "count": 29, "dim": DIM,
-                      "arrays_crc32": index_lib.arrays_crc32(index.embeddings(), ids)}
+                      "arrays_crc32": arrays_crc32(index.embeddings(), ids)}
   manifest["save_id"] = save_id
   loaded = DocIndex.load(tmp_path / "idx", expected_dim=DIM, expected_corpus_fingerprint="c1")
   assert loaded.manifest == manifest and loaded.dtype == index.dtype
@@ -317,7 +320,8 @@ def test_load_into_another_searcher_and_dtype(tmp_path):
   emb, ids, queries = untied_data(7, 50, q=3)
   DocIndex(emb, ids).save(tmp_path, step=0, model_fingerprint="m", corpus_fingerprint="c")
   loaded = DocIndex.load(tmp_path, searcher="approx", dtype="bfloat16")
-  assert loaded.searcher == "approx" and loaded.embeddings().dtype == jax.numpy.bfloat16
+  assert isinstance(loaded.searcher, ApproxSearcher)
+  assert loaded.embeddings().dtype == jax.numpy.bfloat16
 
 
 def test_load_mismatches_and_broken_manifests(tmp_path):

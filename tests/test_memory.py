@@ -55,7 +55,7 @@ def test_more_candidates_than_blocks_are_refused_before_the_examples(tiny, tmp_p
   naming the flag and the corpus size, once the corpus is open and before its examples are
   built. As many candidates as blocks is fine (each query retrieves all the others)."""
   from realm_jax.train.init import build_models
-  from realm_jax.train.pretrain import open_data
+  from realm_jax.train.pretrain_workdir import open_data
   _, _, vocab = build_models(tiny)
   tiny.num_candidates = 1000
   with pytest.raises(ValueError, match=r"--config.num_candidates=1000 is more than the (\d+) "
@@ -68,6 +68,7 @@ def test_more_candidates_than_blocks_are_refused_before_the_examples(tiny, tmp_p
   open_data(tiny, str(tmp_path / "w"), vocab)
 
 
+@pytest.mark.slow
 def test_pretraining_warns_when_the_estimate_does_not_fit_the_device(tiny, tmp_path, monkeypatch,
                                                                      caplog):
   from realm_jax.train.pretrain import Trainer

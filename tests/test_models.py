@@ -78,6 +78,7 @@ def test_inputs_longer_than_positions_are_refused():
     BertModel(config).init(jax.random.key(0), ids)
 
 
+@pytest.mark.slow
 def test_separate_towers_differ_and_shared_towers_agree():
   config = tiny_config()
   ids = jnp.array([[2, 5, 6, 3, 0, 0]])
@@ -99,6 +100,7 @@ def test_unknown_pooling_is_refused():
         jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4)), jnp.zeros((1, 4), jnp.int32))
 
 
+@pytest.mark.slow
 def test_query_ignore_id_treats_the_token_as_padding_in_the_query_tower_only():
   """RealmRetriever(query_ignore_id=t): queries are embedded as if every t were padding (no
   attention to it, not pooled); queries without t and all documents are unchanged."""

@@ -97,6 +97,7 @@ def runs(tmp_path_factory):
   return single, multi, outs + _finish(procs)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(runs):
   single, multi, outs = runs
   assert "Process 0 of 2: 2 local / 4 global devices" in outs[1]
@@ -129,7 +130,8 @@ def test_async_index_swaps_only_when_every_host_holds_the_same_version(tmp_path,
   import types
 
   from realm_jax import distributed
-  from realm_jax.retrieval.index import DocIndex, publish_index
+  from realm_jax.retrieval.index import DocIndex
+  from realm_jax.retrieval.index_store import publish_index
   from realm_jax.train.refresh import AsyncIndexWatcher
 
   barrier, slots = threading.Barrier(2), {}

@@ -29,7 +29,8 @@ from etils.epath import backend as epath_backend
 from etils.epath import gpath
 
 from realm_jax import io_utils
-from realm_jax.retrieval.index import DocIndex, latest_index_dir, publish_index, read_manifest
+from realm_jax.retrieval.index import DocIndex
+from realm_jax.retrieval.index_store import latest_index_dir, publish_index, read_manifest
 
 BUCKET = "gs://bucket"
 
@@ -537,6 +538,7 @@ def test_corpus_embedding_in_gs_matches_the_local_one_and_resumes(gcs, corpus_se
   assert sum(rows) == min(len(corpus), 2 * shard_size) - shard_size
 
 
+@pytest.mark.slow
 def test_pretraining_starts_from_hf_weights_in_gs(gcs, tmp_path):
   from realm_jax.checkpoints import save_hf_checkpoint
   from realm_jax.configs.pretrain import get_config

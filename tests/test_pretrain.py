@@ -60,6 +60,7 @@ def data_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("data"))
 
 
+# A tiny pre-training run (~30 s): the tests that read it are marked slow.
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, data_dir):
   workdir = str(tmp_path_factory.mktemp("straight"))
@@ -68,6 +69,7 @@ def uninterrupted(tmp_path_factory, data_dir):
   return workdir
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_bit_identical_parameters(tmp_path, data_dir, uninterrupted):
   workdir = str(tmp_path / "killed")
   kill_after = random.Random().randint(1, 5)  # a random step of the 6
@@ -94,6 +96,7 @@ def test_killed_run_resumes_to_bit_identical_parameters(tmp_path, data_dir, unin
     np.testing.assert_array_equal(a, b, err_msg=f"{path} (killed after step {kill_after})")
 
 
+@pytest.mark.slow
 def test_every_logged_row_has_the_retrieval_diagnostics(uninterrupted):
   with open(os.path.join(uninterrupted, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f if line.strip()]
@@ -103,6 +106,7 @@ def test_every_logged_row_has_the_retrieval_diagnostics(uninterrupted):
     assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["null_accuracy"] <= 1.0, r
 
 
+@pytest.mark.slow
 def test_logged_gradient_norm_is_the_mean_over_its_window(tmp_path, data_dir, uninterrupted):
   """Logged every 4 of 6 steps, the windows hold 4 and then 2 steps: each logged grad_norm is the
   mean of the per-step norms the same (deterministic) run logs with log_every=1."""
@@ -116,6 +120,7 @@ def test_logged_gradient_norm_is_the_mean_over_its_window(tmp_path, data_dir, un
   np.testing.assert_allclose(got[6], np.mean([per_step[5], per_step[6]]), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_logged_and_stop_the_run(tmp_path, data_dir):
   """Peak rate 1e30: the first update at a non-zero rate (step 2; warmup 2) leaves huge finite
   parameters, then every loss overflows. Those steps are skipped and logged as such with no NaN
@@ -133,39 +138,18 @@ def test_non_finite_steps_are_skipped_logged_and_stop_the_run(tmp_path, data_dir
   assert complete_checkpoints(workdir) == [2]
 
 
-def test_a_window_leaves_out_the_statistics_of_skipped_steps():
-  from realm_jax.train.pretrain import add_step
-  good = lambda loss: {"loss_sum": np.float32(loss), "grad_norm": np.float32(2 * loss),
-                       "skipped": np.float32(0)}
-  bad = {"loss_sum": np.float32(np.nan), "grad_norm": np.float32(np.inf), "skipped": np.float32(1)}
-  sums = None
-  for out in (good(1.0), bad, good(3.0), bad):
-    sums = add_step(sums, out)
-  assert {k: float(v) for k, v in sums.items()} == {
-      "loss_sum": 4.0, "grad_norm": 8.0, "skipped": 2.0, "good_steps": 2.0}
-  only_bad = add_step(None, bad)
-  assert float(only_bad["good_steps"]) == 0 and float(only_bad["skipped"]) == 1
-  assert np.isfinite(float(only_bad["loss_sum"]))
-
-
-def test_progress_bar_fields_show_nan_for_what_a_window_lacks():
-  from realm_jax.train.pretrain import postfix
-  assert postfix({"loss": 1.23456, "examples_per_s": 7.66}, loss=("loss", ".3f"),
-                 acc=("accuracy", ".3f"), ex_s=("examples_per_s", ".1f")) == {
-                     "loss": "1.235", "acc": "nan", "ex_s": "7.7"}
-
-
 def read_rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f if line.strip()]
 
 
+@pytest.mark.slow
 def test_old_indexes_go_but_not_those_the_checkpoints_name(tmp_path, data_dir, uninterrupted):
   """The tiny run refreshes at steps 0 and 3 and checkpoints at 2, 4 and 6, naming index 0 and
   index 3. Refreshed at every step with config.index.keep=1, each refresh deletes the indexes
   that are not the newest, the one in use or one a checkpoint names (1 at step 2, 3 at step 4):
   index 0 at step 2, index 2 at step 4; 4 was in use at the last refresh."""
-  from realm_jax.train.checkpoints import indexes_in_use
+  from realm_jax.checkpoints.training import indexes_in_use
   got = indexes_in_use(os.path.join(uninterrupted, "checkpoints"))
   assert {os.path.basename(p) for p in got} == {"index-00000000", "index-00000003"}
   workdir = str(tmp_path / "pruned")
@@ -176,6 +160,7 @@ def test_old_indexes_go_but_not_those_the_checkpoints_name(tmp_path, data_dir, u
   assert out.count("Deleted the index") == 2
 
 
+@pytest.mark.slow
 def test_resumed_from_an_older_checkpoint_the_later_indexes_are_not_used(tmp_path, data_dir,
                                                                          uninterrupted):
   """The run stopped after publishing index 3 but before a checkpoint past step 2: resumed from
@@ -183,7 +168,7 @@ def test_resumed_from_an_older_checkpoint_the_later_indexes_are_not_used(tmp_pat
   says so; it republishes step 3 as it gets there and ends with the uninterrupted parameters and
   metrics rows."""
   import shutil
-  from realm_jax.retrieval.index import latest_index_dir
+  from realm_jax.retrieval.index_store import latest_index_dir
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted, workdir)
   for step in (4, 6):
@@ -204,6 +189,7 @@ def test_resumed_from_an_older_checkpoint_the_later_indexes_are_not_used(tmp_pat
     np.testing.assert_array_equal(a, b, err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_finished_run_does_nothing_and_other_config_is_refused(data_dir, uninterrupted):
   code, out = run(uninterrupted, data_dir)
   assert code == 0 and "Nothing to do" in out
@@ -211,6 +197,7 @@ def test_finished_run_does_nothing_and_other_config_is_refused(data_dir, uninter
   assert code != 0 and "another config" in out and "max_masked" in out
 
 
+@pytest.mark.slow
 def test_a_run_over_other_blocks_is_refused(tmp_path, data_dir, uninterrupted):
   """Its indexes name another corpus (its files changed, or a newer realm_jax cuts blocks
   differently): continuing it would mix checkpoints and data of other blocks. (The copy resumes
@@ -231,17 +218,18 @@ def test_a_workdir_from_before_a_fixed_setting_existed_takes_its_old_value(tmp_p
   one learning rate for everything: resuming with the default is fine, with a separate retriever
   rate (another optimiser-state layout) refused."""
   from realm_jax.configs.pretrain import get_config
-  from realm_jax.train.pretrain import check_workdir_config
+  from realm_jax.train.loop import check_workdir_config
+  from realm_jax.train.pretrain_workdir import FIXED_SETTINGS
   config = get_config("tiny")
-  check_workdir_config(config, str(tmp_path))
+  check_workdir_config(config, str(tmp_path), FIXED_SETTINGS)
   saved = json.loads((tmp_path / "config.json").read_text())
   del saved["retriever_learning_rate"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
-  check_workdir_config(config, str(tmp_path))
+  check_workdir_config(config, str(tmp_path), FIXED_SETTINGS)
   (tmp_path / "config.json").write_text(json.dumps(saved))
   config.retriever_learning_rate = 1e-4
   with pytest.raises(ValueError, match=r"another config \(retriever_learning_rate differ"):
-    check_workdir_config(config, str(tmp_path))
+    check_workdir_config(config, str(tmp_path), FIXED_SETTINGS)
 
 
 def test_a_config_refused_for_a_typo_does_not_claim_the_workdir(tmp_path, data_dir):
@@ -261,11 +249,12 @@ def test_unknown_flag_is_refused(tmp_path, data_dir):
   assert code != 0 and "no_such_setting" in out
 
 
+@pytest.mark.slow
 def test_interrupted_index_write_is_never_loaded(tmp_path, data_dir, uninterrupted):
   """What a refresher killed while writing leaves (a temporary directory, and an index directory
   without its arrays) is skipped: the watcher keeps the last complete index and says why not."""
   import shutil
-  from realm_jax.retrieval.index import latest_index_dir
+  from realm_jax.retrieval.index_store import latest_index_dir
   root = str(tmp_path / "index")
   shutil.copytree(os.path.join(uninterrupted, "index"), root)
   complete = latest_index_dir(root)
@@ -286,7 +275,7 @@ def test_refresher_reads_a_checkpoint_saved_on_other_devices(tmp_path):
   import jax
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
-  from realm_jax.train import checkpoints
+  from realm_jax.checkpoints import training as checkpoints
   mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
   rng = np.random.default_rng(0)
   retriever = {"w": rng.standard_normal((4, 6)).astype(np.float32)}
@@ -309,12 +298,13 @@ def test_refresher_reads_a_checkpoint_saved_on_other_devices(tmp_path):
   np.testing.assert_array_equal(np.array(json.loads(values), np.float32), retriever["w"])
 
 
+@pytest.mark.slow
 def test_refresher_killed_midway_then_trainer_picks_up_complete_indexes(tmp_path, data_dir,
                                                                          uninterrupted):
   """The real thing: kill the refresher process at a random moment, check no partial index is
   visible, then let it finish and check the published index matches the checkpoint's weights."""
   import shutil
-  from realm_jax.retrieval.index import latest_index_dir, read_manifest
+  from realm_jax.retrieval.index_store import latest_index_dir, read_manifest
   workdir = str(tmp_path / "w")
   shutil.copytree(uninterrupted, workdir)
   shutil.rmtree(os.path.join(workdir, "index"))
@@ -383,13 +373,14 @@ def test_refresher_waits_for_a_starting_trainer_and_says_what_it_waits_for(tmp_p
   assert len([r for r in caplog.records if r.getMessage().startswith(waiting)]) >= 2
 
 
+@pytest.mark.slow
 def test_watcher_keeps_the_current_index_when_a_new_one_is_corrupt(tmp_path, data_dir,
                                                                    uninterrupted, caplog):
   """An index directory that looks complete but whose arrays are damaged: the trainer's watcher
   logs that it cannot load it and keeps training on the current one."""
   import shutil
   from realm_jax.configs.pretrain import get_config
-  from realm_jax.train.pretrain import open_data
+  from realm_jax.train.pretrain_workdir import open_data
   from realm_jax.train.init import build_models
   from realm_jax.train.refresh import AsyncIndexWatcher
   config = get_config("tiny")
@@ -398,7 +389,7 @@ def test_watcher_keeps_the_current_index_when_a_new_one_is_corrupt(tmp_path, dat
   corpus, _, _ = open_data(config, str(tmp_path), vocab)
   root = str(tmp_path / "index")
   shutil.copytree(os.path.join(uninterrupted, "index"), root)
-  from realm_jax.retrieval.index import latest_index_dir
+  from realm_jax.retrieval.index_store import latest_index_dir
   current = latest_index_dir(root)
   bad = os.path.join(root, "index-00000009")
   shutil.copytree(current, bad)
@@ -418,6 +409,7 @@ def test_watcher_keeps_the_current_index_when_a_new_one_is_corrupt(tmp_path, dat
   watcher.close()
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_held_workdir_is_refused_and_the_first_runs_as_alone(
     tmp_path, data_dir, uninterrupted):
   """Two pre-training runs on one workdir (another learning rate) would interleave checkpoints,
@@ -454,6 +446,7 @@ def test_a_second_run_on_a_held_workdir_is_refused_and_the_first_runs_as_alone(
     np.testing.assert_array_equal(a, b, err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_before_it(
     tmp_path, data_dir, uninterrupted):
   """A data file deleted inside the newest checkpoint (6): the run warns, naming it, moves it to
@@ -489,7 +482,7 @@ def test_restore_tells_damaged_checkpoints_from_another_model(tmp_path, caplog):
   the error it always was, even behind a damaged one, never passed over."""
   import jax
   import jax.numpy as jnp
-  from realm_jax.train import checkpoints
+  from realm_jax.checkpoints import training as checkpoints
   directory = tmp_path / "checkpoints"
   state = {"params": {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(4)},
            "step": jnp.zeros((), jnp.int32)}

@@ -7,10 +7,10 @@ import pytest
 
 from realm_jax.checkpoints.minilm import load_minilm
 from realm_jax.data.qa_batches import (MAX_QUESTION_CHARS, QaBatcher, answer_pieces,
-                                       char_spans_to_pieces, find_subsequences)
-from realm_jax.eval.answers import has_answer, regex_exact_match
+                                       char_spans_to_pieces)
 from realm_jax.eval.open_qa import is_correct
 from realm_jax.text import BertTokenizer
+from realm_jax.text.answers import find_subsequences, has_answer, regex_exact_match
 
 BLOCKS = [
     ("Charles Darwin", "Charles Robert Darwin was an English naturalist. He wrote On the Origin of "

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from realm_jax.data.qa import (CuratedTrec, NqOpen, WebQuestions, load_questions, split_by_hash)
-from realm_jax.eval.answers import exact_match, normalize_answer, regex_match
+from realm_jax.text.answers import exact_match, normalize_answer, regex_match
 
 SHARED_NQ = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "nq_open")
 

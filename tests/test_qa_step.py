@@ -5,15 +5,16 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import random_inputs
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from realm_jax.models import RealmConfig, RealmEmbedder, RealmReader, RealmRetriever
+from realm_jax.models.open_qa import QaModels, qa_beam_logits, qa_params
 from realm_jax.train.init import _init
 from realm_jax.train.optimizer import bert_adamw
-from realm_jax.train.qa_step import (QaModels, TrainState, qa_beam_logits, qa_loss, qa_params,
-                                     qa_train_step, summarize_qa)
+from realm_jax.train.qa_step import TrainState, qa_loss, qa_train_step, summarize_qa
 
 CFG = RealmConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                   intermediate_size=37, max_position_embeddings=64, retriever_proj_size=16,
@@ -64,6 +65,7 @@ def make_params(seed=0):
   return qa_params(retriever_params(seed), reader_params(seed + 1))
 
 
+@pytest.mark.slow
 def test_batch_equals_sum_of_single_questions():
   params, batch = make_params(), make_batch()
   grad_fn = jax.jit(jax.value_and_grad(lambda p, b: qa_loss(p, b, MODELS), has_aux=True))
@@ -87,6 +89,7 @@ def test_batch_equals_sum_of_single_questions():
         jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 def test_retriever_loss_is_hand_computed_marginal_nll():
   params, batch = make_params(seed=1), make_batch(seed=1, b=4)
   q = np.asarray(MODELS.query_tower.apply(
@@ -125,6 +128,7 @@ def run_steps(mesh, n_steps=2):
   return jax.device_get(state.params), losses
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device():
   assert jax.device_count() == 8
   single_params, single_losses = run_steps(Mesh(np.array(jax.devices()[:1]), ("data",)))
@@ -144,6 +148,7 @@ def _cannot_learn(key: str) -> bool:
 SPAN_OFFSET = "['reader']['qa_outputs']['dense_output']['bias']"
 
 
+@pytest.mark.slow
 def test_only_question_tower_and_reader_move():
   """From a shared-tower REALM retriever: after a donated step the document tower (the one that
   built the index) is intact and unchanged; every question-tower and reader leaf that the loss
@@ -171,6 +176,7 @@ def test_only_question_tower_and_reader_move():
   assert checked > 40
 
 
+@pytest.mark.slow
 def test_span_offset_gradient_is_exactly_zero():
   """A constant added to every span logit leaves every loss unchanged (checked here by adding
   one), and the gradient of the bias that adds it is exactly 0, not rounding noise."""
@@ -187,7 +193,7 @@ def test_span_offset_gradient_is_exactly_zero():
 def test_prediction_only_picks_whole_word_spans():
   """With word_start / word_end allowing a single (start, end) per block, that span is each
   block's best and its logit is unchanged; the training loss sees only allowed spans."""
-  from realm_jax.train.qa_step import qa_predict_step, whole_word_spans
+  from realm_jax.models.open_qa import qa_predict_step, whole_word_spans
   params, batch = make_params(), make_batch()
   b, r, l = batch["reader"]["input_ids"].shape
   batch["word_start"] = np.zeros((b, r, l), np.int32)

@@ -11,6 +11,7 @@ from realm_jax.models import RealmEmbedder, tiny_config
 from realm_jax.retrieval.embed import bucket_lengths, embed_in_buckets
 
 
+@pytest.mark.slow
 def test_bucketed_embedding_equals_full_length_embedding():
   config = tiny_config()
   model = RealmEmbedder(config)
@@ -35,6 +36,7 @@ def test_embedded_corpus_has_the_vital_articles(articles):
   assert all(a["text"] for a in articles)
 
 
+@pytest.mark.slow
 def test_minilm_retrieval_finds_the_right_article(articles, tmp_path):
   """End to end through the library: JSONL corpus -> blocks -> MiniLM embeddings -> index -> search."""
   from realm_jax.configs.build_index import get_config
@@ -75,10 +77,11 @@ def test_bucket_plan_by_hand():
     bucket_batches(lengths, [8, 32], 8, None)
 
 
+@pytest.mark.slow
 def test_scann_recall_on_real_corpus_embeddings(articles):
   """ScaNN (then exact re-scoring) finds >= 95% of the exact top 10 on real MiniLM embeddings."""
   import os
-  from realm_jax.eval.retrieval import embed_questions
+  from realm_jax.retrieval.recall import embed_questions
   from realm_jax.retrieval.index import DocIndex
   from realm_jax.retrieval.towers import load_tower
   from realm_jax.text import batch_join
@@ -164,6 +167,7 @@ def _set_writable(root, writable):
       os.chmod(path, mode | stat.S_IWUSR if writable else mode & ~0o222)
 
 
+@pytest.mark.slow
 def test_a_built_workdir_is_only_read(articles, tmp_path):
   """experiments/search_demo.py published its unchanged index again at every run, so it failed in
   a read-only work directory. Run again with the same settings it writes nothing, and runs with
@@ -173,7 +177,7 @@ def test_a_built_workdir_is_only_read(articles, tmp_path):
   import os
   from realm_jax.configs.build_index import get_config
   from realm_jax.retrieval import search_demo
-  from realm_jax.retrieval.index import latest_index_dir, read_manifest
+  from realm_jax.retrieval.index_store import latest_index_dir, read_manifest
   workdir, question = tmp_path / "work", ["who painted the mona lisa"]
   titles = lambda config: [t for t, _ in search_demo.run(str(workdir), question, 3, config)[0]]
   save_id = lambda: read_manifest(latest_index_dir(workdir / "index"))["save_id"]

@@ -37,6 +37,7 @@ def test_sharded_embedder_equals_single_device(mesh):
   np.testing.assert_allclose(np.asarray(out), np.asarray(single), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_sharded_encoder_bf16_runs_and_is_close_to_f32(mesh):
   config = tiny_config()
   ids, mask, types = random_inputs(np.random.default_rng(2), (8, 3), 10, config.vocab_size)

@@ -81,6 +81,7 @@ def run_steps(devices, n_steps=3):
   return jax.device_get(state.params), losses
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device_with_one_compilation():
   assert jax.device_count() == 8
   single_params, single_losses = run_steps(1)
@@ -90,6 +91,8 @@ def test_sharded_step_equals_single_device_with_one_compilation():
   chex.assert_trees_all_close(sharded_params, single_params, atol=1e-5, rtol=0)
 
 
+# Slow alone (~14 s: it compiles the step); ~1 s after the other step tests share that compilation.
+@pytest.mark.slow
 def test_non_finite_loss_skips_the_update():
   """Neither the parameters nor Adam's moments and count change (a finite gradient would move the
   moments even at the warmup's zero rate); the step counter and the learning-rate schedule's count
@@ -115,6 +118,7 @@ def test_non_finite_loss_skips_the_update():
   assert float(ok["skipped"]) == 0.0
 
 
+@pytest.mark.slow
 def test_retriever_gradients_match_finite_differences():
   """Separate towers: d loss / d tower is non-zero and equals a central finite difference along a
   random direction in that tower's parameters, for the query and the document tower (float32, so
@@ -146,6 +150,7 @@ def test_retriever_gradients_match_finite_differences():
     np.testing.assert_allclose(numeric, analytic, rtol=2e-2, err_msg=tower)
 
 
+@pytest.mark.slow
 def test_loss_matches_hf_scorer_and_encoder():
   """realm_loss on a batch == HF RealmScorer relevance -> HF RealmKnowledgeAugEncoder loss, with
   the same (perturbed) weights, candidates and masked tokens; and its metrics (accuracy with
@@ -279,6 +284,7 @@ def test_num_chunks_by_hand():
   assert num_chunks(6, 100, 10) == 6            # a row longer than a chunk: one row per chunk
 
 
+@pytest.mark.slow
 def test_chunked_bert_calls_change_no_number():
   """config.chunk_tokens runs each BERT call in interleaved chunks of rows: the outputs and every
   gradient equal the unchunked model's."""
@@ -286,6 +292,7 @@ def test_chunked_bert_calls_change_no_number():
                                          dropout_rng=None)
 
 
+@pytest.mark.slow
 def test_layer_recomputation_changes_no_number():
   """config.remat recomputes each layer in the backward pass: the outputs and every gradient equal
   the plain model's (same parameters, same dropout) up to float32 rounding of a differently fused
@@ -294,6 +301,7 @@ def test_layer_recomputation_changes_no_number():
                                          dropout_rng=jax.random.key(7))
 
 
+@pytest.mark.slow
 def test_memory_estimate_against_xla():
   """The estimate printed before a run counts the parameters exactly and stays within its margin
   below XLA's buffer assignment of the compiled step (tiny config, 1 and 8 devices)."""
@@ -358,6 +366,7 @@ def test_retriever_learning_rate_applies_to_the_retriever_towers_only():
     np.testing.assert_allclose(updates["encoder"]["w"], step(1e-3, 3 * g), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_new_mlm_head_can_start_from_the_identity(tmp_path):
   """config.mlm_transform_init='identity': the head's logits are then the tied word embeddings
   against LayerNorm(GELU(h)) (checked with torch); a head loaded from a checkpoint is never
@@ -405,6 +414,7 @@ def test_a_new_mlm_head_can_start_from_the_identity(tmp_path):
     init_params(config, models, model_config, jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_the_retriever_can_keep_fewer_layers_of_the_weights():
   """config.retriever_num_layers: the retriever keeps the first N of the MiniLM layers the encoder
   keeps (config.num_layers), with the weights of those layers; more than the encoder is refused."""
@@ -470,6 +480,7 @@ def test_a_smaller_retriever_loads_the_first_layers_of_hf_weights(tmp_path):
     np.testing.assert_array_equal(got[key], want[key])
 
 
+@pytest.mark.slow
 def test_a_bert_encoder_keeps_its_pretrained_mlm_head(tmp_path):
   """config.init='hf' with a HF BertForPreTraining (bert-base-uncased's layout) as encoder_weights:
   the encoder's MLM logits are HF's `prediction_logits`, head included; an identity head would

@@ -204,6 +204,20 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], kind: str, config: RealmCo
   return traverse_util.unflatten_dict(flat_params), extras
 
 
+def overlay(base: dict, loaded: dict, what: str) -> dict:
+  """`base` with every leaf that `loaded` has replaced; shapes must agree."""
+  flat, new = traverse_util.flatten_dict(base), traverse_util.flatten_dict(loaded)
+  for key, value in new.items():
+    if key not in flat:
+      continue  # e.g. a BERT pooler the model has no use for
+    if flat[key].shape != value.shape:
+      raise CheckpointError(f"{what}: parameter {'/'.join(key)} has shape {value.shape} in the "
+                            f"checkpoint but {flat[key].shape} in the model; the checkpoint was "
+                            "made for another model config.")
+    flat[key] = jnp.asarray(value, flat[key].dtype)
+  return traverse_util.unflatten_dict(flat)
+
+
 def to_hf_state_dict(params: Mapping, kind: str, extras: Mapping[str, np.ndarray] | None = None,
                      prefix: str = "") -> dict[str, np.ndarray]:
   """Flax parameters -> HF state dict (numpy), including tied copies and any `extras`."""
@@ -235,7 +249,7 @@ def _training_run(path: str, names: list[str]) -> str | None:
   return None
 
 
-def _no_safetensors(path: str, names: list[str]) -> FileNotFoundError:
+def no_safetensors(path: str, names: list[str]) -> FileNotFoundError:
   workdir = _training_run(path, names)
   if workdir is not None:
     export = os.path.join(workdir, "export")
@@ -253,7 +267,7 @@ def _no_safetensors(path: str, names: list[str]) -> FileNotFoundError:
       "`Model.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`.")
 
 
-def _local_checkpoint(path: str) -> str:
+def local_checkpoint(path: str) -> str:
   """`path` itself when local; for a gs:// checkpoint directory, or a file in one, the same in
   its copy in the local cache (safetensors reads local files only)."""
   if not is_remote(path) or path.endswith(_PICKLE_SUFFIXES):  # read_state_dict refuses pickles
@@ -261,11 +275,11 @@ def _local_checkpoint(path: str) -> str:
   src = as_path(path)
   if src.is_file():  # its directory holds the config.json and any other shards
     parent, name = path.rsplit("/", 1)
-    return os.path.join(_local_checkpoint(parent), name)
+    return os.path.join(local_checkpoint(parent), name)
   names = [p.name for p in src.iterdir()] if src.is_dir() else []
   if not any(f in names for f in _SAFETENSORS) and (  # before a download
       "config.json" in names or _training_run(path, names) is not None):
-    raise _no_safetensors(path, names)
+    raise no_safetensors(path, names)
   return local_copy_of_dir(path, marker="config.json", what="Checkpoint directory")
 
 
@@ -274,7 +288,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
   one from its copy in the local cache."""
   from safetensors.numpy import load_file  # local: only this function needs it
 
-  path = _local_checkpoint(os.fspath(path))
+  path = local_checkpoint(os.fspath(path))
   if os.path.isdir(path):
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
@@ -288,7 +302,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
         out.update(read_state_dict(os.path.join(os.path.dirname(index), shard)))
       return out
     else:
-      raise _no_safetensors(path, os.listdir(path))
+      raise no_safetensors(path, os.listdir(path))
   if path.endswith(_PICKLE_SUFFIXES):
     raise CheckpointError(
         f"{path} is a pickled PyTorch checkpoint; realm_jax never loads pickles. Convert it once "
@@ -310,7 +324,7 @@ def load_hf_checkpoint(path: str | os.PathLike, kind: str | None = None,
   Returns (config, params, extras). `kind` defaults to what the keys say.
   """
   path = os.fspath(path)
-  local = _local_checkpoint(path)
+  local = local_checkpoint(path)
   state = read_state_dict(local)
   if config is None:
     directory = local if os.path.isdir(local) else os.path.dirname(local)

@@ -13,9 +13,9 @@ import ml_collections
 
 
 def scann_settings() -> dict:
-  """ScaNN's settings for searcher="scann"; 0 keeps DocIndex's default (see its docstring). On the
-  10k x 384 MiniLM index, dims_per_block=8 with reorder_num_neighbors=200 was the fastest at
-  recall@10 0.95 (benchmarks/README.md)."""
+  """ScaNN's settings for searcher="scann"; 0 keeps ScannSearcher's default (see its docstring).
+  On the 10k x 384 MiniLM index, dims_per_block=8 with reorder_num_neighbors=200 was the fastest
+  at recall@10 0.95 (benchmarks/README.md)."""
   return dict(num_leaves=0, num_leaves_to_search=0, reorder_num_neighbors=0, dims_per_block=0,
               training_sample_size=0)
 
@@ -38,7 +38,7 @@ def get_config(arg: str = "wiki_vital_minilm") -> ml_collections.ConfigDict:
   c.batch_size = 64
   c.shard_size = 4096
   c.index = ml_collections.ConfigDict(dict(
-      searcher="exact",         # exact | approx | scann (realm_jax/retrieval/index.py)
+      searcher="exact",         # exact | approx | scann (realm_jax/retrieval/searcher.py)
       dtype="float32",
       scann=scann_settings()))
   c.eval = ml_collections.ConfigDict(dict(

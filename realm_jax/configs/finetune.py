@@ -64,6 +64,7 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
   c.eval_limit = 0                # >0: only the first N dev questions in those evaluations
   c.eval_batch_size = 16
   c.checkpoint_every = 100
+  c.keep_checkpoints = 1          # the newest (best/ keeps the best model apart)
   c.max_bad_steps = 10
   c.ks = (1, 5, 20)
 

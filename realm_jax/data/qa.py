@@ -9,10 +9,10 @@ Each dataset is a TFDS builder (`NqOpen`, `WebQuestions`, `CuratedTrec`; array_r
 TensorFlow needed) with the features `question` (text) and `answers` (sequence of text), rows in
 the order of the source file. The answer type belongs to the dataset (`Builder.ANSWER_TYPE`, also in
 every dict of `load_questions`), not to a row:
-  * "text": answers are compared after `eval.answers.normalize_answer` (`exact_match`,
+  * "text": answers are compared after `text.answers.normalize_answer` (`exact_match`,
     `has_answer`);
   * "regex" (CuratedTREC): answers are regular expressions, matched case-insensitively anywhere in
-    a text (`eval.answers.regex_match`), as DrQA and ORQA do. They must compile (checked on load).
+    a text (`text.answers.regex_match`), as DrQA and ORQA do. They must compile (checked on load).
 
 Where the data comes from (the builders download these files; `local_dir` reads them offline):
 
@@ -52,8 +52,8 @@ import tensorflow_datasets.core  # noqa: F401  (tfds.core is not imported by the
 
 from realm_jax.data.prepare import prepare
 from realm_jax.data.qa_batches import MAX_QUESTION_CHARS
-from realm_jax.eval.answers import normalize_answer
 from realm_jax.io_utils import iter_jsonl
+from realm_jax.text.answers import normalize_answer
 
 _NQ_URL = ("https://raw.githubusercontent.com/google-research-datasets/natural-questions/master/"
            "nq_open/")

@@ -16,8 +16,8 @@ answers by tokens. CuratedTREC answers are regular expressions: their matches in
 text are mapped to word pieces through the tokenizer's character offsets. A block "has an
 answer" (the retriever's positives) when the normalised answer occurs in its normalised text
 (title + body, or the body alone without `reader_title`), or a pattern matches it
-(realm_jax/eval/answers.py): the definition of open-QA recall@k (realm_jax/eval/open_qa.py). The
-recall that `build_index.py` reports (realm_jax/eval/retrieval.py) always matches title + body.
+(realm_jax/text/answers.py): the definition of open-QA recall@k (realm_jax/eval/open_qa.py). The
+recall that `build_index.py` reports (realm_jax/retrieval/recall.py) always matches title + body.
 
 Inputs are padded to the longest in the batch rounded up to `length_multiple`, so a batch of
 short blocks does not pay for `reader_length` (one compiled step per length bucket).
@@ -31,8 +31,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from realm_jax.eval.answers import compile_pattern, has_answer, normalize_answer, regex_match
 from realm_jax.text import BertTokenizer
+from realm_jax.text.answers import (compile_pattern, find_subsequences, has_answer,
+                                    normalize_answer, regex_match)
 
 ANSWER_TYPES = ("text", "regex")
 MAX_QUESTION_CHARS = 1_000
@@ -73,22 +74,6 @@ def answer_pieces(tokenizer: BertTokenizer, answers: Sequence[str]) -> list[tupl
   if not texts:
     return []
   return list(dict.fromkeys(tuple(ids) for ids in tokenizer.encode_batch(texts) if ids))
-
-
-def find_subsequences(haystack: Sequence[int], needles: Sequence[Sequence[int]]
-                      ) -> list[tuple[int, int]]:
-  """Inclusive (start, end) of every occurrence of every needle in `haystack`, sorted."""
-  hay = np.asarray(haystack)
-  found = set()
-  for needle in needles:
-    n = len(needle)
-    if n == 0 or n > len(hay):
-      continue
-    starts = np.flatnonzero(hay[:len(hay) - n + 1] == needle[0])
-    for s in starts:
-      if tuple(hay[s:s + n]) == tuple(needle):
-        found.add((int(s), int(s + n - 1)))
-  return sorted(found)
 
 
 def char_spans_to_pieces(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]

@@ -1,1 +1,1 @@
-"""Evaluation: answer normalisation and matching, retrieval recall."""
+"""Evaluation: open-QA EM and recall@k, the held-out report with baselines, the ask CLI."""

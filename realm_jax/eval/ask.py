@@ -31,7 +31,7 @@ def load_system(workdir: str):
   unreadable) is a ValueError naming best/ and what to do, or, when an older kept model reads,
   that one with a warning; nothing in `workdir` is changed.
   """
-  from realm_jax.train.finetune import QaSetup, check_best, check_index, load_workdir_config
+  from realm_jax.systems.open_qa import QaSetup, check_best, check_index, load_workdir_config
   config = load_workdir_config(workdir)
   check_index(workdir)  # both before the seconds of loading the corpus, the index and the models
   check_best(workdir)

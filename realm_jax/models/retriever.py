@@ -16,6 +16,7 @@ from realm_jax.models.config import RealmConfig
 Array = jax.Array
 
 POOLINGS = ("projected_cls", "mean")
+NEG_INF = -1e9  # masked-out candidates: exp(-1e9) is 0 in float32, and 0 * -1e9 stays finite
 
 
 class RealmProjection(nn.Module):

@@ -1,1 +1,1 @@
-"""Corpus embedding and maximum-inner-product search."""
+"""Corpus embedding, maximum-inner-product search and its recall@k."""

@@ -4,7 +4,7 @@
     scores, rows = index.search(["who wrote hamlet"], k=20)                       # [Q, k] each
     index.save(directory); BM25Index.load(directory)
 
-Tokens are the words of `eval.answers.normalize_answer(text)`: lower-case, Unicode NFD with the
+Tokens are the words of `text.answers.normalize_answer(text)`: lower-case, Unicode NFD with the
 accents dropped, ASCII punctuation deleted (so "U.S." -> "us", "rock-n-roll" -> "rocknroll"), the
 articles a/an/the removed, split on whitespace. No other stop words, no stemming. The same
 normalisation decides whether a retrieved text holds an answer, so a query can match the answer
@@ -33,8 +33,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from realm_jax.eval.answers import normalize_answer
 from realm_jax.io_utils import atomic_write_dir, read_json, write_json
+from realm_jax.text.answers import normalize_answer
 
 FORMAT_VERSION = 1
 TOKENIZER = "normalize_answer"

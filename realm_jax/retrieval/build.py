@@ -10,12 +10,14 @@ from realm_jax.data.blocks import BLOCKINGS
 from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.sources import SOURCES
 from realm_jax.data.qa import load_qa_jsonl
-from realm_jax.eval.retrieval import evaluate_retrieval
 from realm_jax.io_utils import as_path
 from realm_jax.retrieval.embed import embed_corpus
 from realm_jax.models.config import COMPUTE_DTYPES
-from realm_jax.retrieval.index import (DTYPES, SEARCHERS, DocIndex, arrays_crc32, index_options,
-                                       index_path, latest_index_dir, publish_index, read_manifest)
+from realm_jax.retrieval.index import DocIndex, index_options
+from realm_jax.retrieval.index_store import (DTYPES, arrays_crc32, index_path, latest_index_dir,
+                                             publish_index, read_manifest)
+from realm_jax.retrieval.searcher import SEARCHERS
+from realm_jax.retrieval.recall import evaluate_retrieval
 from realm_jax.retrieval.towers import load_towers
 from realm_jax.text.tokenizer import TRUNCATIONS
 
@@ -34,12 +36,13 @@ def check_settings(config, flag: str = "--config") -> None:
       flag)
 
 
-def towers_of(config):
-  """{"query": Tower, "document": Tower} of the configured weights (read once)."""
+def towers_of(config, flag: str = "--config"):
+  """{"query": Tower, "document": Tower} of the configured weights (read once); `flag` is the
+  config's place on the command line (fine-tuning's: --config.retrieval)."""
   if config.normalize not in _AUTO:
-    raise ValueError(f"config.normalize={config.normalize!r}: use auto, yes or no.")
+    raise ValueError(f"{flag}.normalize={config.normalize!r}: use auto, yes or no.")
   return load_towers(config.weights, None if config.pooling == "auto" else config.pooling,
-                     _AUTO[config.normalize], config.dtype)
+                     _AUTO[config.normalize], config.dtype, flag=f"{flag}.weights")
 
 
 def open_corpus(config, workdir: str, vocab_file: str) -> Corpus:

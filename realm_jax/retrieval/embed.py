@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from realm_jax.io_utils import as_path, atomic_write, local_file, read_json, write_json
-from realm_jax.retrieval.index import arrays_crc32
+from realm_jax.retrieval.index_store import arrays_crc32
 
 Batch = dict[str, np.ndarray]
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from realm_jax import config_checks
 from realm_jax.configs import build_index as build_index_configs
-from realm_jax.eval.retrieval import embed_questions
 from realm_jax.retrieval import build
+from realm_jax.retrieval.recall import embed_questions
 
 
 def check_questions(questions: Sequence[str], k: int) -> None:

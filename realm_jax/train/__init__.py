@@ -1,1 +1,1 @@
-"""Training: REALM pre-training (train step, candidates, index refresh, checkpoints) and ICT."""
+"""Training: REALM pre-training (step, candidates, index refresh), ICT, open-QA fine-tuning."""

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from realm_jax.data.qa_batches import find_subsequences
 from realm_jax.retrieval.index import DocIndex
+from realm_jax.text.answers import find_subsequences
 
 
 def _pad(rows: list[list[int]], length: int, types: list[list[int]] | None = None):

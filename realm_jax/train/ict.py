@@ -18,21 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
-import time
 
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from realm_jax import config_checks, workdir_lock
-from realm_jax.checkpoints.hf import load_hf_checkpoint, save_hf_checkpoint
+from realm_jax import config_checks
+from realm_jax.checkpoints.hf import overlay, save_hf_checkpoint
+from realm_jax.checkpoints.weights import MINILM, Weights, resolve
 from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.pretrain import is_heldout
 from realm_jax.io_utils import as_path, atomic_write_dir, is_remote
@@ -43,16 +40,15 @@ from realm_jax.models.retriever import RealmRetriever
 from realm_jax.retrieval.build import open_corpus
 from realm_jax.text import BertTokenizer, join_bert
 from realm_jax.text.tokenizer import TOKENIZER_CONFIG
-from realm_jax.train import checkpoints, optimizer
-from realm_jax.train.init import overlay, sized_model_config
-from realm_jax.train.metrics_writer import MetricsWriter
-from realm_jax.train.pretrain import (add_step, check_workdir_config, count_bad_steps,
-                                      maybe_initialize_distributed, postfix, window_metrics)
+from realm_jax.train import loop, optimizer
+from realm_jax.train.init import sized_model_config
 from realm_jax.train.realm_step import TrainState, loss_step
 
 Array = jax.Array
 INITS = ("minilm", "bert", "random")
 SPLITS = ("train", "heldout")
+# Settings a resumed run must keep: the shapes of parameters and what the examples are made of.
+FIXED_SETTINGS = ("init", "model", "num_layers", "corpus", "query_length", "heldout_percent")
 
 # ---------------------------------------------------------------------------------------------
 # Data
@@ -190,31 +186,34 @@ def ict_batches(corpus: Corpus, split: str, *, batch_size: int, seed: int, query
 # ---------------------------------------------------------------------------------------------
 
 
+def _bert_weights(config) -> Weights | None:
+  """The weights whose BERT both towers start from: the installed all-MiniLM-L6-v2 (init=minilm),
+  config.bert_weights (init=bert: a HF BERT directory or a TF1 BERT checkpoint), or None
+  (random)."""
+  if config.init not in INITS:
+    raise ValueError(f"--config.init={config.init!r}: use one of {INITS}.")
+  if config.init == "minilm":
+    return resolve(MINILM, flag="--config.init")
+  if config.init == "bert":
+    return resolve(config.bert_weights, flag="--config.bert_weights")
+  return None
+
+
 def build_retriever(config) -> tuple[RealmRetriever, RealmConfig, str]:
   """(separate-tower retriever with REALM's projected [CLS], its config, vocab file).
 
   config.init: "minilm" (the installed all-MiniLM-L6-v2), "bert" (config.bert_weights, a HF BERT
-  directory with config.json, model.safetensors, vocab.txt) or "random" (config.model).
+  directory with config.json, model.safetensors, vocab.txt) or "random" (config.model). The vocab
+  file: config.vocab_file when given (init=bert or random), else the weights' (random: MiniLM's).
   """
-  if config.init not in INITS:
-    raise ValueError(f"--config.init={config.init!r}: use one of {INITS}.")
-  from realm_jax.checkpoints.minilm import minilm_dir
-  if config.init == "minilm":
-    model_config = RealmConfig.from_json_file(os.path.join(minilm_dir(), "config.json"))
-    vocab = os.path.join(minilm_dir(), "vocab.txt")
-  elif config.init == "bert":
-    if not config.bert_weights:
-      raise ValueError("--config.init='bert' needs --config.bert_weights: a HF BERT directory "
-                       "(config.json, model.safetensors, vocab.txt).")
-    if not as_path(config.bert_weights).is_dir():
-      raise FileNotFoundError(
-          f"--config.bert_weights={config.bert_weights} is not a directory: pass a HF BERT "
-          "directory (config.json, model.safetensors, vocab.txt).")
-    model_config = RealmConfig.from_json_file(os.path.join(config.bert_weights, "config.json"))
-    vocab = config.vocab_file or os.path.join(config.bert_weights, "vocab.txt")
-  else:
+  weights = _bert_weights(config)
+  if weights is None:
     model_config = RealmConfig(**dict(config.model))
-    vocab = config.vocab_file or os.path.join(minilm_dir(), "vocab.txt")
+    vocab = config.vocab_file or resolve(MINILM, flag="--config.vocab_file").vocab()
+  else:
+    model_config = weights.config
+    override = config.vocab_file if config.init == "bert" else ""  # MiniLM reads its own vocab
+    vocab = override or weights.vocab()
   model_config = sized_model_config(config, model_config)
   return (RealmRetriever(model_config, share_embedders=False, pooling="projected_cls"),
           model_config, vocab)
@@ -227,15 +226,10 @@ def init_params(config, model: RealmRetriever, model_config: RealmConfig, rng) -
   q = dict(input_ids=ids, attention_mask=ids, token_type_ids=ids)
   # One compiled program rather than hundreds of eagerly compiled ops.
   params = jax.jit(model.init)(rng, q, {k: v[:, None] for k, v in q.items()})["params"]
-  bert = None
-  if config.init == "minilm":
-    from realm_jax.checkpoints.minilm import load_minilm
-    _, bert, _ = load_minilm()
-  elif config.init == "bert":
-    _, bert, _ = load_hf_checkpoint(config.bert_weights, kind="bert", config=model_config,
-                                    strict=False)
-  if bert is not None:
-    params = {t: overlay(p, {"realm": bert}, config.init) for t, p in params.items()}
+  weights = _bert_weights(config)
+  if weights is not None:
+    bert, _ = weights.load("bert", model_config, strict=False)
+    params = {t: overlay(p, {"realm": bert}, weights.name) for t, p in params.items()}
   return jax.tree.map(lambda x: np.asarray(x, np.float32), params)
 
 # ---------------------------------------------------------------------------------------------
@@ -295,18 +289,6 @@ def eval_step(params, batch: dict, *, model: RealmRetriever) -> dict:
   return ict_loss(params, batch, model)[1]
 
 
-def jit_steps(model: RealmRetriever, mesh: Mesh, dropout: bool = True):
-  """(train step, eval step) jitted for `mesh`: state replicated and donated, batch split over
-  the mesh's "data" axis."""
-  replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-  train = jax.jit(functools.partial(ict_step, model=model, dropout=dropout),
-                  in_shardings=(replicated, data, replicated),
-                  out_shardings=(replicated, replicated), donate_argnums=0)
-  evaluate = jax.jit(functools.partial(eval_step, model=model),
-                     in_shardings=(replicated, data), out_shardings=replicated)
-  return train, evaluate
-
-
 def export_retriever(directory: str, model_config: RealmConfig, params, vocab_file: str) -> None:
   """Writes `directory` as a HF REALM scorer (config.json, model.safetensors with `embedder` and
   `query_embedder`, vocab.txt and the tokenizer_config.json beside it, if any), atomically:
@@ -336,14 +318,14 @@ def export_retriever(directory: str, model_config: RealmConfig, params, vocab_fi
 # ---------------------------------------------------------------------------------------------
 
 
-class ICTTrainer:
-  """The pieces of an ICT run, set up once; `run()` trains to config.num_steps and exports."""
+class ICTTrainer(loop.TrainLoop):
+  """An ICT run (realm_jax/train/loop.py): `run()` trains to config.num_steps, then exports."""
+
+  name = "ICT"
+  progress = {"loss": ("loss", ".3f"), "acc": ("accuracy", ".3f")}
 
   def __init__(self, config, workdir: str):
-    if config.batch_size % jax.device_count():
-      raise ValueError(f"--config.batch_size={config.batch_size} is not divisible by the "
-                       f"{jax.device_count()} devices: pick a multiple.")
-    self.config, self.workdir = config, workdir
+    super().__init__(config, workdir)
     self.export_dir = config.export_dir or os.path.join(workdir, "export")
     # Settings are checked before config.json is written: a config refused for a typo must not
     # become the workdir's, refusing the corrected one. (The corpus fingerprint reads its files.)
@@ -352,25 +334,15 @@ class ICTTrainer:
     check_settings(seed=config.seed, query_length=config.query_length, doc_length=config.doc_length,
                    remove_prob=config.remove_prob, heldout_percent=config.heldout_percent)
     as_path(workdir).mkdir(parents=True, exist_ok=True)
-    check_workdir_config(config, workdir)
+    loop.check_workdir_config(config, workdir, FIXED_SETTINGS)
     self.tokenizer = BertTokenizer(self.vocab_file)
     self.corpus = open_corpus(config, config.data_dir or os.path.join(workdir, "data"),
                               self.vocab_file)
-    self.mesh = Mesh(np.array(jax.devices()), ("data",))
-    self.data_sharding = NamedSharding(self.mesh, P("data"))
-    self.host_batch = config.batch_size // jax.process_count()
-
     self.schedule, tx = optimizer.from_config(config)
-    params = init_params(config, self.model, self.model_config, jax.random.key(config.seed))
-    self.state = jax.jit(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx),
-                         out_shardings=NamedSharding(self.mesh, P()))(params)
-    self.rng = jax.random.key(config.seed + 1)
-    self.step_fn, self.eval_fn = jit_steps(self.model, self.mesh, config.dropout)
-    self.manager = checkpoints.checkpoint_manager(os.path.join(workdir, "checkpoints"),
-                                                  config.keep_checkpoints)
-    self.train_iter = self._batches("train", config.seed)
-    self.metrics = MetricsWriter(workdir)
-    self.bad_steps = 0
+    self.data_iterator = self._batches("train", config.seed)
+    self.eval_fn = self.jit_eval(functools.partial(eval_step, model=self.model))
+    self.start(init_params(config, self.model, self.model_config, jax.random.key(config.seed)),
+               tx, functools.partial(ict_step, model=self.model, dropout=config.dropout))
 
   def _batches(self, split: str, seed: int, num_epochs=None):
     c = self.config
@@ -380,11 +352,15 @@ class ICTTrainer:
         heldout_percent=c.heldout_percent, shard_index=jax.process_index(),
         shard_count=jax.process_count(), num_epochs=num_epochs)
 
-  def _global(self, host_batch: dict) -> dict:
+  def _pairs(self, host_batch: dict) -> dict:
     """Host-local numpy pairs -> global arrays split along the batch over every device."""
-    pairs = {k: host_batch[k] for k in ("query", "document")}
-    return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(self.data_sharding, x), pairs)
+    return self.put({k: host_batch[k] for k in ("query", "document")})
+
+  def next_batch(self) -> dict:
+    return self._pairs(next(self.data_iterator))
+
+  def train_metrics(self, step: int) -> dict[str, float]:
+    return {"learning_rate": float(self.schedule(step))}
 
   def evaluate(self) -> dict[str, float]:
     """Mean in-batch metrics (no dropout) over the first config.eval_batches held-out batches:
@@ -393,7 +369,7 @@ class ICTTrainer:
     for i, batch in enumerate(self._batches("heldout", seed=0, num_epochs=1)):
       if i >= self.config.eval_batches:
         break
-      out = jax.device_get(self.eval_fn(self.state.params, self._global(batch)))
+      out = jax.device_get(self.eval_fn(self.state.params, self._pairs(batch)))
       sums = out if sums is None else jax.tree.map(np.add, sums, out)
       n += 1
     if n == 0:
@@ -403,78 +379,13 @@ class ICTTrainer:
           "--config.eval_every=0.")
     return {k: float(v) / n for k, v in sums.items()}
 
-  def log(self, step: int, metrics: dict[str, float], prefix: str):
-    if jax.process_index() == 0:
-      self.metrics.write(step, metrics, prefix)
-
-  def restore(self) -> None:
-    got = checkpoints.restore_latest(self.manager, self.state, self.train_iter)
-    if got is not None:
-      self.state = got[0]
-    self.metrics.resume_at(int(self.state.step))
-
   def export(self) -> None:
     if jax.process_index() == 0:
       export_retriever(self.export_dir, self.model_config, self.state.params, self.vocab_file)
 
-  def run(self) -> dict[str, float]:
-    try:
-      return self._run()
-    finally:  # also on errors: let a checkpoint being written finish, so it is not lost
-      self.manager.wait_until_finished()
-      self.metrics.close()
-
-  def _run(self) -> dict[str, float]:
-    from tqdm.auto import tqdm
-    c = self.config
-    self.restore()
-    start_step = int(self.state.step)
-    if start_step >= c.num_steps:
-      logging.info("Nothing to do: the run in %s is at step %d of %d.", self.workdir, start_step,
-                   c.num_steps)
-      if not as_path(os.path.join(self.export_dir, "config.json")).exists():
-        self.export()
-      return {}
-    last_eval: dict[str, float] = {}
-    if c.eval_every and start_step == 0:  # the starting point, to compare with
-      last_eval = self.evaluate()
-      self.log(0, last_eval, "heldout")
-      logging.info("step 0 held-out: %s", json.dumps({k: round(v, 4) for k, v in last_eval.items()}))
-    sums, window_time, window_steps = None, 0.0, 0
-    bar = tqdm(total=c.num_steps, initial=start_step, desc="ICT", unit="step",
-               disable=jax.process_index() != 0)
-    for step in range(start_step, c.num_steps):
-      start = time.perf_counter()  # data + step: evaluation and checkpoints are not counted
-      batch = self._global(next(self.train_iter))
-      self.state, out = self.step_fn(self.state, batch, self.rng)
-      out = jax.device_get(out)
-      window_time += time.perf_counter() - start
-      self.bad_steps = count_bad_steps(self.bad_steps, out["skipped"], step, c.max_bad_steps,
-                                       self.workdir)
-      sums = add_step(sums, out)
-      window_steps += 1
-      done = step + 1
-      bar.update(1)
-      if done % c.log_every == 0 or done == c.num_steps:
-        metrics = window_metrics(sums, lambda s: {  # per-step means over the good steps
-            k: float(v) / float(s["good_steps"]) for k, v in s.items()
-            if k not in ("skipped", "good_steps")})
-        metrics.update(learning_rate=float(self.schedule(step)),
-                       examples_per_s=window_steps * c.batch_size / window_time)
-        self.log(done, metrics, "train")
-        bar.set_postfix(postfix(metrics, loss=("loss", ".3f"), acc=("accuracy", ".3f"),
-                                ex_s=("examples_per_s", ".1f")))
-        sums, window_time, window_steps = None, 0.0, 0
-      if c.eval_every and (done % c.eval_every == 0 or done == c.num_steps):
-        last_eval = self.evaluate()
-        self.log(done, last_eval, "heldout")
-        logging.info("step %d held-out: %s", done, json.dumps(
-            {k: round(v, 4) for k, v in last_eval.items()}))
-      if done % c.checkpoint_every == 0 or done == c.num_steps:
-        checkpoints.save(self.manager, done, self.state, {"step": done}, self.train_iter,
-                         force=done == c.num_steps)
-    bar.close()
-    self.export()
+  def finish(self, last_eval: dict[str, float], trained: bool) -> dict[str, float]:
+    if trained or not as_path(os.path.join(self.export_dir, "config.json")).exists():
+      self.export()
     return last_eval
 
 
@@ -482,17 +393,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   """ICT to config.num_steps (resuming from `workdir`), then the export; returns the last
   held-out metrics."""
   check_run_settings(config, workdir)
-  maybe_initialize_distributed(config.distributed)
-  with workdir_lock.hold(workdir):  # before anything is written there: one run per workdir
-    return ICTTrainer(config, workdir).run()
+  return loop.train(ICTTrainer, config, workdir)
 
 
 def check_run_settings(config, workdir: str) -> None:
   """Refuses settings no run can use, naming the flag, before weights, corpus or compiling."""
   config_checks.workdir(workdir)
   config_checks.at_least(config, {
-      "batch_size": 2, "num_steps": 1, "learning_rate": 0, "log_every": 1, "eval_every": 0,
-      "eval_batches": 1, "checkpoint_every": 1, "keep_checkpoints": 1, "max_bad_steps": 1,
+      **loop.LOOP_MINIMUMS, "batch_size": 2, "learning_rate": 0, "eval_batches": 1,
       "num_layers": 0, "corpus.block_length": 4, "corpus.max_docs": 0})
   config_checks.one_of(config, {"init": INITS, "dtype": COMPUTE_DTYPES,
                                 "corpus.source": SOURCES, "corpus.blocking": BLOCKINGS})

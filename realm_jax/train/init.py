@@ -9,24 +9,22 @@ config.init:
   hf      config.retriever_weights: a HF REALM embedder/scorer directory (REALM's projected [CLS]),
           e.g. the output of experiments/ict.py; config.encoder_weights: a HF REALM
           knowledge-augmented encoder or a BERT directory (a BERT keeps its MLM head, as
-          bert-base-uncased's BertForPreTraining has one; one without gets a new head).
+          bert-base-uncased's BertForPreTraining has one; one without gets a new head). Either
+          may also be a TF1 checkpoint of such a model (`checkpoints.resolve`).
   random  random weights of config.model (tests; the tiny config).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from realm_jax.checkpoints.minilm import load_minilm, minilm_dir
-from realm_jax.checkpoints.hf import (CheckpointError, detect_kind, hf_key, load_hf_checkpoint,
-                                      read_state_dict)
-from realm_jax.io_utils import as_path
+from realm_jax.checkpoints.hf import CheckpointError, hf_key, overlay
+from realm_jax.checkpoints.weights import MINILM, Weights, resolve
 from realm_jax.models.config import RealmConfig
 from realm_jax.models.encoder import KnowledgeAugEncoder
 from realm_jax.models.retriever import RealmRetriever
@@ -36,20 +34,6 @@ from realm_jax.train.realm_step import RealmModels
 INITS = ("minilm", "hf", "random")
 MLM_TRANSFORM_INITS = ("random", "identity")  # the dense layer of a new MLM head
 _MLM_HEAD = "cls.predictions."  # the MLM head's keys in a HF BERT checkpoint
-
-
-def overlay(base: dict, loaded: dict, what: str) -> dict:
-  """`base` with every leaf that `loaded` has replaced; shapes must agree."""
-  flat, new = traverse_util.flatten_dict(base), traverse_util.flatten_dict(loaded)
-  for key, value in new.items():
-    if key not in flat:
-      continue  # e.g. a BERT pooler the model has no use for
-    if flat[key].shape != value.shape:
-      raise CheckpointError(f"{what}: parameter {'/'.join(key)} has shape {value.shape} in the "
-                            f"checkpoint but {flat[key].shape} in the model; the checkpoint was "
-                            "made for another model config.")
-    flat[key] = jnp.asarray(value, flat[key].dtype)
-  return traverse_util.unflatten_dict(flat)
 
 
 def _init(module, config: RealmConfig, rng, k: int = 2, length: int = 8):
@@ -95,29 +79,31 @@ def retriever_model_config(config, model_config: RealmConfig) -> RealmConfig:
   return model_config.replace(num_hidden_layers=layers)
 
 
-def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
-  """(models, model config, vocab file) for `config.init`, without weights."""
+def starting_weights(config) -> dict[str, Weights]:
+  """{"retriever": Weights, "encoder": Weights} that config.init starts from, resolved (their
+  config.json read, no array); {} for random weights."""
   if config.init not in INITS:
     raise ValueError(f"--config.init={config.init!r}: use one of {INITS}.")
   if config.init == "minilm":
-    model_config = RealmConfig.from_json_file(os.path.join(minilm_dir(), "config.json"))
-    vocab = os.path.join(minilm_dir(), "vocab.txt")
-  elif config.init == "hf":
-    for name in ("retriever_weights", "encoder_weights"):
-      if not config.get(name):
-        raise ValueError(f"--config.init=hf needs --config.{name}: a HF checkpoint directory.")
-      if not as_path(config[name]).is_dir():
-        raise FileNotFoundError(f"--config.{name}={config[name]}: no such directory; give a HF "
-                                "checkpoint directory (config.json and the weights).")
-    model_config = RealmConfig.from_json_file(os.path.join(config.retriever_weights, "config.json"))
-    vocab = os.path.join(config.retriever_weights, "vocab.txt")
-    if not as_path(vocab).exists():
-      vocab = config.get("vocab_file") or vocab
+    minilm = resolve(MINILM, flag="--config.init")
+    return {"retriever": minilm, "encoder": minilm}
+  if config.init == "hf":
+    return {name: resolve(config.get(f"{name}_weights"), flag=f"--config.{name}_weights")
+            for name in ("retriever", "encoder")}
+  return {}
+
+
+def build_models(config) -> tuple[RealmModels, RealmConfig, str]:
+  """(models, model config, vocab file) for `config.init`, without weights. The model config is
+  the retriever weights' (the encoder's must have the same sizes); the vocab file theirs, else
+  config.vocab_file (init=random: config.vocab_file, else the MiniLM package's uncased one)."""
+  weights = starting_weights(config)
+  if weights:
+    model_config = weights["retriever"].config
+    vocab = weights["retriever"].vocab(config.get("vocab_file", ""))
   else:
     model_config = RealmConfig(**dict(config.model))
-    vocab = config.vocab_file
-    if not vocab:  # the uncased BERT vocabulary of the installed MiniLM package
-      vocab = os.path.join(minilm_dir(), "vocab.txt")
+    vocab = config.vocab_file or resolve(MINILM, flag="--config.vocab_file").vocab()
   model_config = sized_model_config(config, model_config)
   mask_id = BertTokenizer(vocab).mask_id if config.get("query_hides_mask", False) else -1
   return make_models(config, model_config, mask_id), model_config, vocab
@@ -198,40 +184,42 @@ def init_params(config, models: RealmModels, model_config: RealmConfig, rng) -> 
   head_init = config.get("mlm_transform_init", "random")
   if head_init not in MLM_TRANSFORM_INITS:
     raise ValueError(f"--config.mlm_transform_init={head_init!r}: use one of {MLM_TRANSFORM_INITS}.")
+  weights = starting_weights(config)
   if config.init == "hf":
-    encoder_keys = read_state_dict(config.encoder_weights).keys()
-    kind = detect_kind(encoder_keys)
-    has_head = kind == "encoder" or any(k.startswith(_MLM_HEAD) for k in encoder_keys)
+    retriever, encoder = weights["retriever"], weights["encoder"]
+    retriever.check_kind(("embedder", "retriever"),
+                         "a REALM embedder or scorer (e.g. ICT's export, experiments/ict.py)")
+    kind = encoder.check_kind(("encoder", "bert"),
+                              "a REALM knowledge-augmented encoder or a BERT")
+    has_head = kind == "encoder" or any(k.startswith(_MLM_HEAD) for k in encoder.names)
     if has_head and head_init == "identity":
       raise ValueError(f"--config.mlm_transform_init='identity' would overwrite the MLM head of "
-                       f"{config.encoder_weights}; keep the default 'random' (only a new head "
+                       f"{encoder.name}; keep the default 'random' (only a new head "
                        "is initialised).")
   r1, r2 = jax.random.split(rng)
   params = {"retriever": _init(models.retriever, model_config, r1),
             "encoder": _init(models.encoder, model_config, r2)}
   if config.init == "minilm":
-    _, bert, _ = load_minilm()
+    bert, _ = weights["encoder"].load()
     towers = ["embedder"] + ([] if config.share_embedders else ["query_embedder"])
     for t in towers:
       params["retriever"][t] = overlay(params["retriever"][t], {"realm": bert}, "MiniLM")
     params["encoder"] = overlay(params["encoder"], {"realm": bert}, "MiniLM")
   elif config.init == "hf":
-    _, retr, _ = load_hf_checkpoint(config.retriever_weights,
-                                    config=retriever_model_config(config, model_config))
+    retr, _ = retriever.load(config=retriever_model_config(config, model_config))
     if "embedder" not in retr:  # an embedder checkpoint: both towers start from it
       retr = {"embedder": retr}
     if config.share_embedders and "query_embedder" in retr:
       logging.warning("%s has a separate query tower (e.g. from ICT), but share_embedders=True "
                       "uses only its document tower; set --config.share_embedders=False to keep "
-                      "both.", config.retriever_weights)
+                      "both.", retriever.name)
     if not config.share_embedders and "query_embedder" not in retr:
       retr["query_embedder"] = retr["embedder"]
-    params["retriever"] = overlay(params["retriever"], retr, config.retriever_weights)
-    _, enc, extras = load_hf_checkpoint(config.encoder_weights, kind=kind, config=model_config,
-                                        strict=False)
+    params["retriever"] = overlay(params["retriever"], retr, retriever.name)
+    enc, extras = encoder.load(kind, model_config, strict=False)
     if kind != "encoder":  # a BERT: its MLM head, if it has one, is the encoder's
-      enc = {"realm": enc, **bert_mlm_head(params["encoder"], extras, config.encoder_weights)}
-    params["encoder"] = overlay(params["encoder"], enc, config.encoder_weights)
+      enc = {"realm": enc, **bert_mlm_head(params["encoder"], extras, encoder.name)}
+    params["encoder"] = overlay(params["encoder"], enc, encoder.name)
   if head_init == "identity":
     params["encoder"] = identity_mlm_transform(params["encoder"])
   return jax.tree.map(lambda x: np.asarray(x, np.float32), params)

@@ -35,30 +35,32 @@ import os
 
 import jax
 
-from realm_jax.io_utils import as_path
+from realm_jax import config_checks
 from realm_jax.models.config import RealmConfig
+from realm_jax.retrieval.searcher import SEARCHERS
 
 GIB = 1024**3
 # The blocks of REALM's English Wikipedia (Guu et al. 2020, section 4.1), for runs not built yet.
 WIKIPEDIA_BLOCKS = 13_353_718
-SEARCH_QUERY_BATCH = 256  # DocIndex.query_batch_size
+SEARCH_QUERY_BATCH = 256  # ExactSearcher's query_batch_size (retrieval/exact.py)
 # XLA:CPU's compiled train step of the tiny and earlier 2-layer demo configs took up to 1.65x the
 # estimate (benchmarks/memory.py; benchmarks/README.md): the verdict keeps that margin.
 MARGIN = 1.7
 
 
 def model_config(config) -> RealmConfig:
-  """The model sizes of a run without loading weights: the MiniLM package's config, a HF weights
-  directory's config.json when it exists, else config.model (the `paper` variants name BERT-base)."""
-  from realm_jax.train.init import sized_model_config
-  if config.init == "minilm":
-    from realm_jax.checkpoints.minilm import minilm_dir
-    base = RealmConfig.from_json_file(os.path.join(minilm_dir(), "config.json"))
-  elif config.init == "hf" and config.retriever_weights and as_path(
-      os.path.join(config.retriever_weights, "config.json")).exists():
-    base = RealmConfig.from_json_file(os.path.join(config.retriever_weights, "config.json"))
-  else:
-    base = RealmConfig(**dict(config.model))
+  """The model sizes of a run without loading weights: the config.json of the weights it starts
+  from (`init.starting_weights`: the MiniLM package's, or --config.retriever_weights'), else
+  config.model: for random weights, and for init=hf weights not made yet (an estimate may come
+  before the ICT run that exports them; the `paper` variants name BERT-base)."""
+  from realm_jax.train.init import sized_model_config, starting_weights
+  try:
+    weights = starting_weights(config)
+  except FileNotFoundError:
+    if config.init != "hf":
+      raise
+    weights = {}
+  base = weights["retriever"].config if weights else RealmConfig(**dict(config.model))
   return sized_model_config(config, base)
 
 
@@ -96,7 +98,8 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
   mean = make_models(config, mc).retriever.pooling == "mean"
   dim = mc.hidden_size if mean else mc.retriever_proj_size
   index_bytes = 2 if config.index.dtype == "bfloat16" else 4
-  on_device = config.index.searcher != "scann"  # ScaNN keeps the index in host memory
+  config_checks.one_of(config, {"index.searcher": SEARCHERS})
+  on_device = SEARCHERS[config.index.searcher].on_device  # else the index is in host memory
   parts = {
       "parameters": 4 * p, "gradients": 4 * p, "optimizer state": 8 * p,
       # The guarded update keeps the old parameters until the new ones are known to be finite.

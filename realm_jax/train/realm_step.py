@@ -23,10 +23,9 @@ import optax
 from flax.training import train_state
 
 from realm_jax.models.encoder import KnowledgeAugEncoder, marginal_mlm_loss
-from realm_jax.models.retriever import RealmRetriever, relevance_scores
+from realm_jax.models.retriever import NEG_INF, RealmRetriever, relevance_scores
 
 Array = jax.Array
-NEG_INF = -1e9  # masked-out candidates: exp(-1e9) is 0 in float32, and 0 * -1e9 stays finite
 
 
 class TrainState(train_state.TrainState):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -20,8 +19,9 @@ import numpy as np
 from realm_jax import distributed
 from realm_jax.io_utils import is_remote
 from realm_jax.retrieval.embed import embed_in_buckets
-from realm_jax.retrieval.index import (DocIndex, index_path, index_step, latest_index_dir,
-                                       prune_indexes, publish_index, read_manifest)
+from realm_jax.retrieval.index import DocIndex
+from realm_jax.retrieval.index_store import (index_path, index_step, latest_index_dir,
+                                             prune_indexes, publish_index, read_manifest)
 from realm_jax.retrieval.towers import params_fingerprint
 
 REFRESH_MODES = ("sync", "async", "none")

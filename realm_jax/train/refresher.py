@@ -22,10 +22,12 @@ import orbax.checkpoint as ocp
 
 from realm_jax import workdir_lock
 from realm_jax.io_utils import absolute, as_path, read_json
-from realm_jax.retrieval.index import index_options, index_step, latest_index_dir
-from realm_jax.train import checkpoints
+from realm_jax.retrieval.index import index_options
+from realm_jax.retrieval.index_store import index_step, latest_index_dir
+from realm_jax.checkpoints import training as checkpoints
 from realm_jax.train.init import build_models
-from realm_jax.train.pretrain import FIXED_SETTINGS, config_diff, open_data
+from realm_jax.train.loop import config_diff
+from realm_jax.train.pretrain_workdir import FIXED_SETTINGS, open_data
 from realm_jax.train.refresh import DocumentEmbedder, refresh
 
 

@@ -1,5 +1,5 @@
 """Retriever recall@k on open-QA questions: a hit = a normalised answer occurs in a retrieved block
-(title + body, whole words; see `answers.has_answer`)."""
+(title + body, whole words; see `text.answers.has_answer`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from realm_jax.data.qa_batches import answers_of
-from realm_jax.eval.answers import has_answer, normalize_answer, regex_match
 from realm_jax.text import batch_join
+from realm_jax.text.answers import has_answer, normalize_answer, regex_match
 
 
 def embed_questions(tower, questions: Sequence[str], batch_size: int = 256) -> np.ndarray:

@@ -1,5 +1,7 @@
 """Orbax checkpoints of a training run: the train state, the data iterator's position and a JSON
-record (index version, config) saved together, asynchronously, keeping the last N.
+record (index version, config) saved together, asynchronously, keeping the last N. The trainers
+write them; the index refresher and the open-QA system (the model kept in best/) read them too,
+so they sit below train/ and eval/.
 
 A run resumes from its work directory by itself: `restore_latest` returns the newest complete
 step (orbax finalises a step by an atomic rename, or in GCS by writing a commit_success file last,

@@ -1,4 +1,5 @@
-"""Answer normalisation and matching for open-domain QA (the SQuAD / ORQA convention).
+"""Answer normalisation, matching and span finding for open-domain QA (the SQuAD / ORQA
+convention).
 
 normalize: lower-case, Unicode NFD, drop punctuation, drop the articles a/an/the, collapse spaces.
 It also drops the combining marks NFD splits off (accents: "Zürich" -> "zurich"), as the uncased
@@ -7,6 +8,8 @@ On NQ-Open dev (64 answers with accents) the MiniLM baseline's recall@1/5/20 is 
 way (6.93 / 13.96 / 20.25 over the 10,033 articles).
 A text "has" an answer when the normalised answer occurs in the normalised text as whole words.
 CuratedTREC answers are regular expressions: they are matched, not compared.
+`find_subsequences` finds word pieces in word pieces: an answer's in a block (the reader's gold
+spans), a masked salient span's in a pre-training candidate.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import functools
 import re
 import string
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -73,3 +78,19 @@ def regex_match(text: str, patterns: Iterable[str]) -> bool:
 def regex_exact_match(prediction: str, patterns: Iterable[str]) -> bool:
   """CuratedTREC EM: a pattern matches the prediction from its start (DrQA's convention)."""
   return any(compile_pattern(p).match(prediction) for p in patterns)
+
+
+def find_subsequences(haystack: Sequence[int], needles: Sequence[Sequence[int]]
+                      ) -> list[tuple[int, int]]:
+  """Inclusive (start, end) of every occurrence of every needle in `haystack`, sorted."""
+  hay = np.asarray(haystack)
+  found = set()
+  for needle in needles:
+    n = len(needle)
+    if n == 0 or n > len(hay):
+      continue
+    starts = np.flatnonzero(hay[:len(hay) - n + 1] == needle[0])
+    for s in starts:
+      if tuple(hay[s:s + n]) == tuple(needle):
+        found.add((int(s), int(s + n - 1)))
+  return sorted(found)

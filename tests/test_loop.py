@@ -1,0 +1,181 @@
+"""realm_jax/train/loop.py: the one training loop, on a toy least-squares trainer over 8 fake
+devices, against a plain loop written here (same data, same optax update, one device)."""
+
+import json
+import os
+
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from realm_jax.train import loop
+from realm_jax.train.realm_step import loss_step
+
+DIM, ROWS, LR = 4, 64, 0.05
+W_TRUE = np.arange(1, DIM + 1, dtype=np.float32)
+
+
+def _row(i: int) -> dict:
+  x = np.random.default_rng(int(i)).normal(size=DIM).astype(np.float32)
+  return {"x": x, "y": np.float32(x @ W_TRUE)}
+
+
+def _rows(seed: int):
+  """grain iterator of batches of 8 rows, reshuffled every epoch: checkpointable."""
+  ds = grain.MapDataset.range(ROWS).shuffle(seed=seed).repeat().map(_row).batch(8)
+  return iter(ds.to_iter_dataset())
+
+
+def _loss(params, batch, poison=None):
+  err = batch["x"] @ params["w"] - batch["y"]                      # [B]
+  loss = jnp.mean(err**2)
+  if poison is not None:  # a NaN loss while the step counter is in `poison` (a traced array)
+    loss = jnp.where(poison, jnp.nan, loss)
+  return loss, {"loss": loss}
+
+
+def _config(**kw):
+  c = ml_collections.ConfigDict(dict(
+      batch_size=8, num_steps=6, seed=0, log_every=2, eval_every=3, checkpoint_every=2,
+      keep_checkpoints=2, max_bad_steps=2, nan_steps=()))
+  c.update(kw)
+  return c
+
+
+class Toy(loop.TrainLoop):
+  """Least squares y = x . w with SGD; evaluation: the loss on 16 fixed rows."""
+  name = "toy"
+
+  def __init__(self, config, workdir):
+    super().__init__(config, workdir)
+    self.evaluations, self.finished = [], None
+    self.data_iterator = _rows(config.seed)
+    nan_steps = jnp.asarray(list(config.nan_steps) or [-1])
+
+    def step(state, batch, rng):
+      poison = jnp.isin(state.step, nan_steps)
+      return loss_step(state, lambda p, r: _loss(p, batch, poison), rng, dropout=False)
+
+    self.eval_fn = self.jit_eval(lambda p, b: _loss(p, b)[1])
+    self.start({"w": np.zeros(DIM, np.float32)}, optax.sgd(LR), step)
+
+  def next_batch(self):
+    return self.put(next(self.data_iterator))
+
+  def train_metrics(self, step):
+    return {"learning_rate": LR}
+
+  def evaluate(self):
+    batch = {k: np.stack([_row(1000 + i)[k] for i in range(16)]) for k in ("x", "y")}
+    out = {k: float(v) for k, v in jax.device_get(self.eval_fn(self.state.params,
+                                                               self.put(batch))).items()}
+    self.evaluations.append(int(self.state.step))
+    return out
+
+  def finish(self, last_eval, trained):
+    self.finished = trained
+    return last_eval
+
+
+def _plain(steps: int) -> np.ndarray:
+  """The same training without the loop: one device, plain optax."""
+  it, w, opt = _rows(0), np.zeros(DIM, np.float32), optax.sgd(LR)
+  state = opt.init({"w": w})
+  params = {"w": jnp.asarray(w)}
+  for _ in range(steps):
+    batch = next(it)
+    grads = jax.grad(lambda p: _loss(p, batch)[0])(params)
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return np.asarray(params["w"])
+
+
+def _rows_of(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def test_a_run_trains_like_a_plain_loop_logs_evaluates_and_checkpoints_on_cadence(tmp_path):
+  workdir = str(tmp_path / "w")
+  toy = Toy(_config(), workdir)
+  last = toy.run()
+  np.testing.assert_allclose(np.asarray(toy.state.params["w"]), _plain(6), rtol=1e-5, atol=1e-6)
+  # Step 0 of a fresh run, every eval_every steps and the last step.
+  assert toy.evaluations == [0, 3, 6] and toy.finished is True
+  rows = _rows_of(workdir)
+  assert [(r["split"], r["step"]) for r in rows] == [
+      ("heldout", 0), ("train", 2), ("heldout", 3), ("train", 4), ("train", 6), ("heldout", 6)]
+  train = [r for r in rows if r["split"] == "train"]
+  for r in train:
+    assert {"loss", "grad_norm", "skipped", "learning_rate", "examples_per_s"} <= set(r)
+    assert r["examples_per_s"] > 0 and r["skipped"] == 0
+  assert last == {k: v for k, v in rows[-1].items() if k not in ("step", "split")}
+  steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+  assert steps == [4, 6]  # every checkpoint_every steps, the last 2 kept
+
+
+def test_a_resumed_run_continues_where_it_stopped_without_evaluating_step_0_again(tmp_path):
+  workdir = str(tmp_path / "w")
+  Toy(_config(num_steps=4), workdir).run()
+  again = Toy(_config(), workdir)
+  again.run()
+  assert again.evaluations == [6]  # not 0 again: the run resumed at step 4
+  np.testing.assert_allclose(np.asarray(again.state.params["w"]), _plain(6), rtol=1e-5,
+                             atol=1e-6)
+  done = Toy(_config(), workdir)
+  assert done.run() == {} and done.finished is False and done.evaluations == []
+
+
+def test_eval_every_0_never_evaluates(tmp_path):
+  toy = Toy(_config(eval_every=0), str(tmp_path / "w"))
+  assert toy.run() == {} and toy.evaluations == []
+  assert all(r["split"] == "train" for r in _rows_of(str(tmp_path / "w")))
+
+
+def test_non_finite_steps_are_skipped_and_max_bad_steps_in_a_row_stop_the_run(tmp_path):
+  workdir = str(tmp_path / "w")
+  toy = Toy(_config(nan_steps=(2,), eval_every=0, num_steps=4), workdir)
+  toy.run()  # one bad step: skipped, the run goes on
+  rows = [r for r in _rows_of(workdir) if r["split"] == "train"]
+  assert [r["skipped"] for r in rows] == [0, 1]
+  # Step 2 changed nothing: the parameters are those of 3 good steps on batches 1, 2 and 4.
+  it, params = _rows(0), {"w": jnp.zeros(DIM)}
+  for i in range(4):
+    batch = next(it)
+    if i != 2:
+      params = jax.tree.map(lambda p, g: p - LR * g, params,
+                            jax.grad(lambda p: _loss(p, batch)[0])(params))
+  np.testing.assert_allclose(np.asarray(toy.state.params["w"]), params["w"], rtol=1e-5,
+                             atol=1e-6)
+  stopped = Toy(_config(nan_steps=(1, 2), eval_every=0), str(tmp_path / "x"))
+  with pytest.raises(FloatingPointError, match="2 steps in a row had a non-finite loss"):
+    stopped.run()
+
+
+def test_a_batch_the_devices_cannot_split_is_refused(tmp_path):
+  with pytest.raises(ValueError, match="batch_size=12 is not divisible by the 8 devices"):
+    Toy(_config(batch_size=12), str(tmp_path / "w"))
+
+
+def test_a_window_leaves_out_the_statistics_of_skipped_steps():
+  good = lambda loss: {"loss_sum": np.float32(loss), "grad_norm": np.float32(2 * loss),
+                       "skipped": np.float32(0)}
+  bad = {"loss_sum": np.float32(np.nan), "grad_norm": np.float32(np.inf), "skipped": np.float32(1)}
+  sums = None
+  for out in (good(1.0), bad, good(3.0), bad):
+    sums = loop.add_step(sums, out)
+  assert {k: float(v) for k, v in sums.items()} == {
+      "loss_sum": 4.0, "grad_norm": 8.0, "skipped": 2.0, "good_steps": 2.0}
+  only_bad = loop.add_step(None, bad)
+  assert float(only_bad["good_steps"]) == 0 and float(only_bad["skipped"]) == 1
+  assert np.isfinite(float(only_bad["loss_sum"]))
+
+
+def test_progress_bar_fields_show_nan_for_what_a_window_lacks():
+  assert loop.postfix({"loss": 1.23456, "examples_per_s": 7.66}, loss=("loss", ".3f"),
+                      acc=("accuracy", ".3f"), ex_s=("examples_per_s", ".1f")) == {
+                          "loss": "1.235", "acc": "nan", "ex_s": "7.7"}
