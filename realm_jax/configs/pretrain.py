@@ -2,8 +2,9 @@
 
 Variants (`--config=realm_jax/configs/pretrain.py:<variant>`):
   demo   the embedded corpus (first 2,000 articles as blocks of <= 64 word pieces), both models
-         from all 6 layers of the installed all-MiniLM-L6-v2, K = 3, on 2 CPU cores: 7 minutes on
-         the current development machine, ~14 estimated on the earlier, slower one (docs/pretraining.md):
+         from all 6 layers of the installed all-MiniLM-L6-v2, K = 3, 300 steps on 2 CPU cores
+         (7-13 minutes): held-out masked-token accuracy 9.42% with retrieval against 7.48% with
+         the null document only, retrieval utility 0.071 at step 300 (docs/pretraining.md):
            python experiments/pretrain.py --flagfile=experiments/flags/pretrain_demo.flags
   tiny   random 2-layer models over 40 articles, for tests (seconds).
   paper  REALM's settings: BERT-base towers and encoder (config.init='hf' with REALM/BERT weights),
