@@ -54,6 +54,19 @@ def _seed_torch():
     torch.manual_seed(0)
 
 
+def write_tf1_checkpoint(prefix, variables: dict) -> str:
+  """Saves {name: array} as a TF1 checkpoint at `prefix` (TensorFlow's own Saver; the test is
+  skipped without TensorFlow); returns the prefix as saved."""
+  tf = pytest.importorskip("tensorflow")
+  graph = tf.Graph()
+  with graph.as_default():
+    tf_vars = [tf.compat.v1.Variable(v, name=n) for n, v in variables.items()]
+    saver = tf.compat.v1.train.Saver(tf_vars)
+    with tf.compat.v1.Session(graph=graph) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      return saver.save(sess, str(prefix))
+
+
 def perturbed(model, seed=0, scale=0.2):
   """Moves every weight away from its init (so a wrong transpose or a swapped LayerNorm shows)."""
   import torch

@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import perturbed
+from conftest import perturbed, write_tf1_checkpoint
 
 torch = pytest.importorskip("torch")
 realm_hf = pytest.importorskip("transformers.models.deprecated.realm.modeling_realm")
@@ -106,17 +106,6 @@ def _tf1_name(hf_key, prefix_map, renames=None):
   return tf_prefix + "/".join(scope + [leaf]), False
 
 
-def _write_tf1(path, variables):
-  tf = pytest.importorskip("tensorflow")
-  graph = tf.Graph()
-  with graph.as_default():
-    tf_vars = [tf.compat.v1.Variable(v, name=n) for n, v in variables.items()]
-    saver = tf.compat.v1.train.Saver(tf_vars)
-    with tf.compat.v1.Session(graph=graph) as sess:
-      sess.run(tf.compat.v1.global_variables_initializer())
-      return saver.save(sess, str(path))
-
-
 TF1_LAYOUTS = {
     "encoder": [("realm.", "bert/"), ("cls.predictions.transform.", "cls/predictions/transform/"),
                 ("cls.predictions.bias", "cls/predictions/output_bias")],
@@ -143,7 +132,7 @@ def test_tf1_checkpoint_loads_with_the_same_values_as_hf(tmp_path, hf_config, ja
       variables[name] = value.T.copy() if transpose else value
   variables["bert/encoder/layer_0/attention/self/query/kernel/adam_m"] = np.zeros((2, 2), np.float32)
   variables["global_step"] = np.int64(7)
-  prefix = _write_tf1(tmp_path / "model.ckpt", variables)
+  prefix = write_tf1_checkpoint(tmp_path / "model.ckpt", variables)
 
   _, params = load_tf1_checkpoint(prefix, kind, jax_config)
   ours = to_hf_state_dict(params, kind)
@@ -167,7 +156,7 @@ def test_tf1_orqa_layer_normalization_sets_eps(tmp_path, hf_config, jax_config):
     name = name and name.replace("module/module/LayerNorm/", "module/module/layer_normalization/")
     if name and "position_ids" not in name and "predictions" not in name:
       variables[name] = value.T.copy() if transpose else value
-  prefix = _write_tf1(tmp_path / "ict.ckpt", variables)
+  prefix = write_tf1_checkpoint(tmp_path / "ict.ckpt", variables)
   config, params = load_tf1_checkpoint(prefix, "embedder", jax_config)
   assert config.projection_layer_norm_eps == 1e-3
   assert params["cls"]["LayerNorm"]["scale"].shape == (hf_config.retriever_proj_size,)

@@ -17,6 +17,8 @@ from realm_jax.checkpoints import CheckpointError, resolve, save_hf_checkpoint
 from realm_jax.checkpoints.hf import abstract_params
 from realm_jax.models import tiny_config
 
+from conftest import write_tf1_checkpoint
+
 FLAG = "--config.test_weights"
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "paris", "france"]
 
@@ -171,23 +173,12 @@ def _tf1_bert_name(path):
   return "bert/" + "/".join([*scope, leaf])
 
 
-def _write_tf1(prefix, variables):
-  tf = pytest.importorskip("tensorflow")
-  graph = tf.Graph()
-  with graph.as_default():
-    tf_vars = [tf.compat.v1.Variable(v, name=n) for n, v in variables.items()]
-    saver = tf.compat.v1.train.Saver(tf_vars)
-    with tf.compat.v1.Session(graph=graph) as sess:
-      sess.run(tf.compat.v1.global_variables_initializer())
-      return saver.save(sess, str(prefix))
-
-
 def test_tf1_bert_resolves_by_prefix_or_directory(tmp_path):
   pytest.importorskip("tensorflow")
   config = tiny_config(vocab_size=len(WORDS))
   want = _random("bert", config, seed=5)
   flat = traverse_util.flatten_dict(want)
-  prefix = _write_tf1(tmp_path / "model.ckpt-7", {_tf1_bert_name(p): v for p, v in flat.items()})
+  prefix = write_tf1_checkpoint(tmp_path / "model.ckpt-7", {_tf1_bert_name(p): v for p, v in flat.items()})
   (tmp_path / "bert_config.json").write_text(json.dumps(config.to_dict()))
   (tmp_path / "vocab.txt").write_text("\n".join(WORDS) + "\n")
   for source in (prefix, str(tmp_path)):  # the directory: TF's `checkpoint` file names the prefix
@@ -202,7 +193,7 @@ def test_tf1_bert_resolves_by_prefix_or_directory(tmp_path):
 def test_tf1_orqa_embedder_gets_its_layer_norm_eps_from_the_names(tmp_path):
   """The kind and the config come from the variable names alone (no array read)."""
   pytest.importorskip("tensorflow")
-  prefix = _write_tf1(tmp_path / "ict.ckpt", {
+  prefix = write_tf1_checkpoint(tmp_path / "ict.ckpt", {
       "module/module/module/bert/embeddings/word_embeddings": np.zeros((7, 4), np.float32),
       "module/module/dense/kernel": np.zeros((4, 2), np.float32),
       "module/module/layer_normalization/gamma": np.zeros((2,), np.float32)})

@@ -271,8 +271,9 @@ class TrainLoop:
       done = step + 1
       bar.update(1)
       if done % c.log_every == 0 or done == c.num_steps:
-        good = float(sums["good_steps"])
-        metrics = {**self.summarize(sums), "grad_norm": float(sums["grad_norm"]) / good} if good else {}
+        good = float(sums["good_steps"])  # 0: every step of the window was skipped
+        metrics = {**self.summarize(sums), "grad_norm": float(sums["grad_norm"]) / good
+                  } if good else {}
         metrics.update(skipped=float(sums["skipped"]), **self.train_metrics(step),
                        examples_per_s=examples / busy)
         self.log(done, metrics, "train")

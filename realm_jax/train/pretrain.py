@@ -217,7 +217,8 @@ def check_settings(config, workdir: str) -> None:
   config_checks.workdir(workdir)
   config_checks.at_least(config, {
       **loop.LOOP_MINIMUMS, "num_candidates": 1, "query_length": 4, "max_masked": 1,
-      "doc_length": 4, "joint_length": 8, "learning_rate": 0, "eval_batches": 1, "num_layers": 0, "index.refresh_every": 1, "index.embed_batch_size": 1, "index.keep": 0,
+      "doc_length": 4, "joint_length": 8, "learning_rate": 0, "eval_batches": 1, "num_layers": 0,
+      "index.refresh_every": 1, "index.embed_batch_size": 1, "index.keep": 0,
       "corpus.block_length": 4, "corpus.max_docs": 0, "heldout_percent": 0})
   config_checks.one_of(config, {"index.refresh": REFRESH_MODES, "init": ("minilm", "hf", "random"),
                                 "tagger": ("auto", "spacy", "regex"),
