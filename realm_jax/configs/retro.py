@@ -1,0 +1,128 @@
+"""RETRO (experiments/retro_train.py, retro_eval.py, retro_sample.py): a decoder that retrieves
+from a chunk database keyed by frozen BERT embeddings, through chunked cross-attention.
+
+Variants (`--config=realm_jax/configs/retro.py:<variant>`):
+  demo      the embedded corpus (10,033 article summaries, 10% of the articles held out): chunk
+            database keyed by the installed all-MiniLM-L6-v2, a small RETRO decoder and the
+            baseline decoder of the same size trained on the same tokens, then held-out bits per
+            byte with and without retrieval, on 2 CPU cores:
+              python experiments/retro_train.py --flagfile=experiments/flags/retro_demo.flags
+  tiny      40 articles, a 2-layer decoder, a few steps: for tests (seconds).
+  paper_*   the paper's shapes (Borgeaud et al. 2021, Table 9: 172M, 425M, 1.5B, 7.5B), for the
+            memory estimate and accelerators: `paper_172m`, `paper_425m`, `paper_1.5b`,
+            `paper_7.5b`.
+"""
+
+import ml_collections
+
+# The paper's decoders: (layers, d_model, heads, d_ffw); the encoder is 2 layers of d 896.
+PAPER_SHAPES = {"172m": (12, 896, 16, 3584), "425m": (12, 1536, 12, 6144),
+                "1.5b": (24, 2048, 16, 8192), "7.5b": (36, 4096, 32, 16384)}
+
+
+def database_config() -> ml_collections.ConfigDict:
+  """The chunk database's settings (`config.db`): corpus, tokens, keys, neighbours."""
+  db = ml_collections.ConfigDict()
+  db.source = "wiki_vital"         # wiki_vital | jsonl | tfds_wikipedia (realm_jax/data/sources.py)
+  db.paths = ()                    # jsonl: files or folders
+  db.tfds_name = "wikipedia/20230601.en"
+  db.max_docs = 0                  # > 0: only the first N documents
+  db.heldout_percent = 10          # documents held out (by a hash of their title): evaluation
+  db.tokenizer_file = ""           # a HF tokenizer.json; "": the key weights' BERT WordPiece vocab
+  db.chunk_length = 64             # m: tokens per chunk
+  db.seq_chunks = 32               # chunks per training sequence (sequence = m x this tokens)
+  db.num_neighbours = 2            # k neighbours stored per chunk (the model may read fewer)
+  db.key_weights = "minilm"        # the frozen BERT that embeds chunks (checkpoints.resolve)
+  db.key_length = 96               # BERT word pieces of a chunk's key text ([CLS] ... [SEP])
+  db.key_batch_size = 256
+  db.shard_size = 4096             # rows per resumable shard (keys and neighbours)
+  db.searcher = "exact"            # exact | scann (realm_jax/retrieval/searcher.py)
+  db.dir = ""                      # default: <workdir>/db
+  return db
+
+
+def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.variant = arg
+  c.db = database_config()
+
+  # The decoder (GPT-2 shaped: learned positions, pre-LayerNorm, GELU, tied output embedding).
+  c.model = ml_collections.ConfigDict()
+  c.model.num_layers = 12
+  c.model.hidden_size = 768
+  c.model.num_heads = 12
+  c.model.mlp_size = 3072
+  c.model.max_length = 2048        # learned positions; sequences are at most this long
+  c.model.cca_layers = ()          # () -> every 3rd layer from layer 6 (1-based), as the paper
+  c.model.cca_start = 6
+  c.model.cca_every = 3
+  c.model.encoder_layers = 2
+  c.model.num_neighbours = 2       # k read by the model (<= config.db.num_neighbours)
+  c.model.dropout = 0.0
+  c.model.dtype = "float32"        # compute: float32 | bfloat16 (parameters stay float32)
+  c.model.remat = False            # recompute each block's activations in the backward pass
+
+  c.models = ("retro", "baseline")  # what to train, on the same batches: RETRO, its baseline
+  c.init = "random"                # random | a HF GPT-2 directory (RETROfit)
+  c.freeze_decoder = False         # RETROfit: train only CCA and the neighbour encoder
+
+  c.batch_size = 8                 # sequences per step, global
+  c.num_steps = 1000
+  c.learning_rate = 2e-4
+  c.warmup_steps = -1              # -1: min(10k, max(100, steps / 10))
+  c.weight_decay = 0.1
+  c.clip_norm = 1.0
+  c.seed = 0
+  c.distributed = False
+
+  c.log_every = 50
+  c.eval_every = 500               # 0: never
+  c.eval_sequences = 64            # held-out sequences per evaluation during training
+  c.checkpoint_every = 500
+  c.keep_checkpoints = 2
+  c.max_bad_steps = 10
+  c.eval_batch_size = 8            # held-out sequences per call of the final evaluation
+
+  if arg == "demo":
+    c.db.seq_chunks = 4            # 256-token sequences: the summaries are ~100 tokens each
+    c.db.key_length = 80
+    c.model.update(num_layers=4, hidden_size=256, num_heads=4, mlp_size=1024, max_length=256,
+                   cca_layers=(2, 4), encoder_layers=2)
+    c.batch_size = 8
+    c.num_steps = 150
+    c.learning_rate = 1e-3
+    c.warmup_steps = 15
+    c.log_every = 10
+    c.eval_every = 50
+    c.eval_sequences = 32
+    c.checkpoint_every = 50
+  elif arg == "tiny":
+    c.db.update(max_docs=40, chunk_length=16, seq_chunks=4, key_length=32, shard_size=64,
+                heldout_percent=20)
+    c.model.update(num_layers=2, hidden_size=32, num_heads=2, mlp_size=64, max_length=64,
+                   cca_layers=(2,), encoder_layers=1)
+    c.batch_size = 8
+    c.num_steps = 4
+    c.learning_rate = 1e-3
+    c.warmup_steps = 1
+    c.log_every = 2
+    c.eval_every = 2
+    c.eval_sequences = 8
+    c.checkpoint_every = 2
+  elif arg.startswith("paper_"):
+    shape = arg.removeprefix("paper_")
+    if shape not in PAPER_SHAPES:
+      raise ValueError(f"Unknown variant {arg!r}: use demo, tiny or paper_<size> with size in "
+                       f"{tuple(PAPER_SHAPES)}.")
+    layers, width, heads, ffw = PAPER_SHAPES[shape]
+    c.db.update(source="tfds_wikipedia", seq_chunks=32, searcher="scann")
+    c.model.update(num_layers=layers, hidden_size=width, num_heads=heads, mlp_size=ffw,
+                   max_length=2048, dtype="bfloat16", remat=True)
+    c.batch_size = 256
+    c.num_steps = 100_000
+    c.learning_rate = 2e-4
+    c.distributed = True
+  elif arg != "base":
+    raise ValueError(f"Unknown variant {arg!r}: use demo, tiny, base or paper_<size> with size "
+                     f"in {tuple(PAPER_SHAPES)}.")
+  return c

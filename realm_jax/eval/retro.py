@@ -1,0 +1,211 @@
+"""Held-out evaluation of RETRO (experiments/retro_eval.py, and the end of retro_train.py): bits
+per byte and perplexity over whole held-out documents, for the RETRO decoder with its retrieved
+neighbours, the same decoder with the neighbours removed (its CCA layers skipped), and the
+baseline decoder; standard errors over documents; the tokens split by how much of what they
+predict the neighbours they read already contain (8-gram overlap, as the paper's Figure 6).
+
+Bits per byte = summed next-token loss (nats) / ln 2 / the UTF-8 bytes of the documents (their
+text plus one byte for the separator after each). Every token of a held-out document is scored
+exactly once: the database's held-out stream is cut into sequences whose targets tile it. A
+token's byte weight is its document's bytes / its document's scored tokens, so any subset of
+tokens (an overlap bucket) has a bits-per-byte of its own that adds up to the whole.
+
+Standard errors treat documents as the sampled unit: a ratio estimator's delta-method error, and
+for the differences between two systems the paired error over the same documents.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from realm_jax.checkpoints import retro_export
+from realm_jax.data.retro_batches import retro_batches
+from realm_jax.io_utils import atomic_write, write_json
+from realm_jax.models.retro import RetroModel, token_nll
+
+LN2 = math.log(2.0)
+NGRAM = 8
+# Overlap buckets: the share of an attending chunk's targets inside an 8-gram of its neighbours.
+BUCKETS = ((0.0, 0.0, "0%"), (0.0, 0.25, "(0, 25%]"), (0.25, 0.5, "(25, 50%]"),
+           (0.5, 0.75, "(50, 75%]"), (0.75, 1.0, "(75, 100%]"))
+NO_NEIGHBOURS = "first m-1 tokens"
+
+
+def ngram_overlap(targets: np.ndarray, neighbours: np.ndarray, pad_id: int, n: int = NGRAM) -> float:
+  """The share of `targets` [T] inside an n-gram (of consecutive targets) that also occurs in one
+  of `neighbours` [K, R] (padding left out); 0 when T < n."""
+  grams = set()
+  for row in neighbours:
+    row = row[row != pad_id]
+    grams.update(tuple(row[i:i + n]) for i in range(len(row) - n + 1))
+  covered = np.zeros(len(targets), bool)
+  for i in range(len(targets) - n + 1):
+    if tuple(targets[i:i + n]) in grams:
+      covered[i:i + n] = True
+  return float(covered.mean()) if len(targets) else 0.0
+
+
+def overlap_buckets(targets: np.ndarray, neighbours: np.ndarray, chunk_length: int,
+                    pad_id: int) -> np.ndarray:
+  """Bucket of each target of one sequence [L] with its neighbours [C, K, R]: -1 for the first
+  m - 1 tokens (they read no neighbours), else the bucket (index into BUCKETS) of the overlap of
+  its attending chunk's targets with the neighbours that chunk reads."""
+  m, length = chunk_length, len(targets)
+  out = np.full(length, -1, np.int32)
+  for v in range(len(neighbours)):
+    lo, hi = v * m + m - 1, min(length, (v + 1) * m + m - 1)
+    if lo >= length:
+      break
+    r = ngram_overlap(targets[lo:hi], neighbours[v], pad_id)
+    out[lo:hi] = next(i for i, (a, b, _) in enumerate(BUCKETS) if (r == 0 if b == 0 else a < r <= b))
+  return out
+
+
+def ratio_se(num: np.ndarray, den: np.ndarray) -> tuple[float, float]:
+  """sum(num) / sum(den) over documents and its delta-method standard error."""
+  total = den.sum()
+  r = num.sum() / total
+  d = len(num)
+  if d < 2:
+    return float(r), float("nan")
+  resid = num - r * den
+  return float(r), float(math.sqrt(d / (d - 1) * (resid**2).sum()) / total)
+
+
+def _per_token_nll(config, params, db, retrieval: bool, batch_size: int):
+  """Yields (batch, nll [B, L]) over every held-out sequence."""
+  module = RetroModel(config)
+  fn = jax.jit(lambda p, t, n, y: token_nll(module.apply({"params": p}, t, n), y))
+  for batch in retro_batches(db, "heldout", batch_size=batch_size, seed=0, shuffle=False,
+                             num_epochs=1, num_neighbours=config.num_neighbours or 1):
+    nb = batch["neighbours"] if retrieval else None
+    yield batch, np.asarray(fn(params, batch["inputs"], nb, batch["targets"]))
+
+
+def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int = 8) -> dict:
+  """Bits per byte of each exported model over the database's held-out documents (a "retro"
+  model also without its neighbours); writes eval.json, eval.md and bpb.png to `out_dir`."""
+  docs = db.documents("heldout")
+  doc_bytes = np.array([d["bytes"] for d in docs], np.float64)
+  doc_tokens = np.array([d["tokens"] for d in docs], np.float64)
+  systems = {}
+  for name, path in exports.items():
+    config, params, meta = retro_export.load(path, flag=f"the {name} export")
+    db.check_compatible(meta["tokenizer"], meta["key_fingerprint"])
+    params = jax.device_put(params)
+    variants = [(name, True)] + ([(f"{name}_no_neighbours", False)] if config.retrieval else [])
+    for label, retrieval in variants:
+      nll_doc = np.zeros(len(docs))
+      nll_bucket = np.zeros(len(BUCKETS) + 1)
+      bytes_bucket = np.zeros(len(BUCKETS) + 1)
+      tokens_bucket = np.zeros(len(BUCKETS) + 1)
+      for batch, nll in tqdm(_per_token_nll(config, params, db, retrieval, batch_size),
+                             desc=f"evaluating {label}", unit="batch"):
+        docs_t = batch["target_docs"]
+        scored = docs_t >= 0
+        np.add.at(nll_doc, docs_t[scored], nll[scored])
+        for i in range(len(nll)):
+          buckets = overlap_buckets(batch["targets"][i], batch["neighbours"][i],
+                                    db.chunk_length, db.tokenizer.pad_id)
+          ok = scored[i]
+          np.add.at(nll_bucket, buckets[ok] + 1, nll[i][ok])
+          np.add.at(bytes_bucket, buckets[ok] + 1, batch["target_bytes"][i][ok])
+          np.add.at(tokens_bucket, buckets[ok] + 1, 1)
+      systems[label] = {"nll_doc": nll_doc, "nll_bucket": nll_bucket,
+                        "bytes_bucket": bytes_bucket, "tokens_bucket": tokens_bucket}
+  report = _report(systems, doc_bytes, doc_tokens)
+  _write(report, out_dir)
+  return report
+
+
+def _report(systems: dict, doc_bytes: np.ndarray, doc_tokens: np.ndarray) -> dict:
+  models, diffs = {}, {}
+  for label, s in systems.items():
+    bpb, se = ratio_se(s["nll_doc"] / LN2, doc_bytes)
+    nats = s["nll_doc"].sum() / doc_tokens.sum()
+    models[label] = {"bits_per_byte": bpb, "se": se, "perplexity": math.exp(nats),
+                     "nats_per_token": nats}
+  labels = list(systems)
+  for a in labels:
+    for b in labels:
+      if a < b or a == b:
+        continue
+      d, se = ratio_se((systems[a]["nll_doc"] - systems[b]["nll_doc"]) / LN2, doc_bytes)
+      diffs[f"{a} - {b}"] = {"bits_per_byte": d, "se": se}
+  names = (NO_NEIGHBOURS, *(b[2] for b in BUCKETS))
+  first = next(iter(systems.values()))
+  overlap = []
+  for i, name in enumerate(names):
+    row = {"overlap": name, "tokens": int(first["tokens_bucket"][i]),
+           "bytes": float(first["bytes_bucket"][i])}
+    for label, s in systems.items():
+      row[label] = (float(s["nll_bucket"][i] / LN2 / s["bytes_bucket"][i])
+                    if s["bytes_bucket"][i] else None)
+    overlap.append(row)
+  return {"documents": len(doc_bytes), "tokens": int(doc_tokens.sum()),
+          "bytes": int(doc_bytes.sum()), "models": models, "differences": diffs,
+          "overlap": overlap}
+
+
+def markdown(report: dict) -> str:
+  lines = [f"Held-out: {report['documents']:,} documents, {report['tokens']:,} tokens, "
+           f"{report['bytes']:,} bytes.", "",
+           "| model | bits per byte | ± s.e. | perplexity (per token) |", "| --- | --- | --- | --- |"]
+  for label, m in report["models"].items():
+    lines.append(f"| {label} | {m['bits_per_byte']:.4f} | {m['se']:.4f} | {m['perplexity']:.1f} |")
+  lines += ["", "| difference (paired over documents) | bits per byte | ± s.e. |", "| --- | --- | --- |"]
+  for label, d in report["differences"].items():
+    lines.append(f"| {label} | {d['bits_per_byte']:+.4f} | {d['se']:.4f} |")
+  labels = list(report["models"])
+  lines += ["", "Bits per byte by the 8-gram overlap of the predicted tokens with the neighbours "
+            "they read:", "", "| overlap | tokens | " + " | ".join(labels) + " |",
+            "| --- | --- | " + " | ".join("---" for _ in labels) + " |"]
+  for row in report["overlap"]:
+    cells = ["-" if row[l] is None else f"{row[l]:.4f}" for l in labels]
+    lines.append(f"| {row['overlap']} | {row['tokens']:,} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: str) -> str:
+  """Bits per byte of each model (error bars: 1 s.e.) and by neighbour overlap, as a PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  labels = list(report["models"])
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  values = [report["models"][l]["bits_per_byte"] for l in labels]
+  ax1.bar(labels, values, yerr=[report["models"][l]["se"] for l in labels], capsize=4,
+          color=["C0", "C1", "C2", "C3"][:len(labels)])
+  ax1.set_ylim(min(values) * 0.95, max(values) * 1.03)
+  ax1.set_ylabel("held-out bits per byte")
+  ax1.set_title("held-out documents")
+  rows = [r for r in report["overlap"] if r["tokens"]]
+  for label in labels:
+    ax2.plot([r["overlap"] for r in rows], [r[label] for r in rows], marker="o", label=label)
+  ax2.set_xlabel("8-gram overlap of the predicted chunk with its neighbours")
+  ax2.set_ylabel("bits per byte")
+  ax2.tick_params(axis="x", labelrotation=20)
+  ax2.legend()
+  fig.tight_layout()
+  atomic_write(path, lambda p: fig.savefig(p, dpi=100, format="png"))
+  plt.close(fig)
+  return path
+
+
+def _write(report: dict, out_dir: str) -> None:
+  write_json(os.path.join(out_dir, "eval.json"), report)
+  atomic_write(os.path.join(out_dir, "eval.md"),
+               lambda p: open(p, "w", encoding="utf-8").write(markdown(report)))
+  try:
+    plot(report, os.path.join(out_dir, "bpb.png"))
+  except ImportError:  # matplotlib comes with the demo extra
+    logging.info("matplotlib is not installed: no bpb.png (pip install 'realm-jax[demo]').")
+  logging.info("Held-out evaluation: %s", json.dumps(
+      {k: round(v["bits_per_byte"], 4) for k, v in report["models"].items()}))

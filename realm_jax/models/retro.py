@@ -1,0 +1,316 @@
+"""RETRO (Borgeaud et al. 2021) in Flax linen: a GPT-2-shaped decoder whose chosen layers read
+retrieved neighbours through chunked cross-attention (CCA), and the neighbour encoder.
+
+    tokens [B, L] --wte+wpe--> h_0 ... h_{n-1} --ln_f--> logits [B, L, V] (tied to wte)
+    a CCA layer:  x += attn(ln_1 x);  x += cca(ln_cca x, E);  x += mlp(ln_2 x)
+    E = encoder(neighbours [B, C, K, R], x of the first CCA layer): computed once, reused
+
+The sequence is C chunks of m tokens (L = C * m); chunk u retrieved K neighbours, each R = 2m
+tokens (the neighbour chunk and its continuation). Causality: the attending chunk u is the
+tokens u*m + m - 1 ... (u+1)*m + m - 2, so a token reads only the neighbours of chunks that are
+complete at its position, and the first m - 1 tokens read none. Positions inside CCA and the
+encoder are relative (a learned bias per head and distance), as the paper.
+
+Without CCA layers (or called with `neighbours=None`) the model is a plain GPT-2 decoder, whose
+parameter names are GPT-2's (`wte`, `wpe`, `h_3/attn/c_attn`, `ln_f`, ...): a Hugging Face GPT-2
+checkpoint loads by renaming (realm_jax/checkpoints/gpt2.py). Parameters are float32; `dtype`
+sets the compute dtype (LayerNorm statistics, softmaxes and the logits stay float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+_NEG = -1e9  # masked attention scores: far below any real one, finite in bfloat16 too
+
+
+@dataclasses.dataclass(frozen=True)
+class RetroConfig:
+  """Shapes of a RETRO decoder. `cca_layers` are 1-based decoder layers (the paper: 6, 9, 12,
+  ...); empty = the baseline decoder, without CCA or encoder."""
+  vocab_size: int
+  num_layers: int = 12
+  hidden_size: int = 768
+  num_heads: int = 12
+  mlp_size: int = 3072
+  max_length: int = 1024
+  chunk_length: int = 64
+  cca_layers: tuple[int, ...] = ()
+  encoder_layers: int = 2
+  num_neighbours: int = 2
+  pad_id: int = 0
+  layer_norm_eps: float = 1e-5
+  dropout: float = 0.0
+  dtype: str = "float32"
+  remat: bool = False
+  initializer_range: float = 0.02
+
+  def __post_init__(self):
+    bad = [l for l in self.cca_layers if not 1 <= l <= self.num_layers]
+    if bad:
+      raise ValueError(f"CCA layers {bad} are outside the decoder's layers 1..{self.num_layers}.")
+    if self.hidden_size % self.num_heads:
+      raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                       f"{self.num_heads}.")
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def retrieval(self) -> bool:
+    return bool(self.cca_layers)
+
+
+def cca_layers(num_layers: int, start: int = 6, every: int = 3) -> tuple[int, ...]:
+  """The paper's CCA layers: every `every`-th layer from layer `start` (1-based), e.g. 12 layers
+  -> (6, 9, 12); a decoder shallower than `start` gets CCA in its last layer."""
+  layers = tuple(range(start, num_layers + 1, every))
+  return layers or (num_layers,)
+
+
+def _dense(c: RetroConfig, features: int, name: str) -> nn.Dense:
+  return nn.Dense(features, dtype=c.compute_dtype, param_dtype=jnp.float32,
+                  kernel_init=nn.initializers.normal(c.initializer_range), name=name)
+
+
+def _layer_norm(c: RetroConfig, name: str) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32,
+                      name=name)
+
+
+def _gelu(x: Array) -> Array:
+  return jax.nn.gelu(x, approximate=True)  # GPT-2's gelu_new
+
+
+def _attend(q: Array, k: Array, v: Array, bias: Array) -> Array:
+  """q [..., N, Q, Dh], k/v [..., N, K, Dh], bias broadcastable to [..., N, Q, K] -> [..., N, Q, Dh].
+  Scores and softmax in float32."""
+  q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+  scores = jnp.einsum("...nqd,...nkd->...nqk", q, k).astype(jnp.float32) + bias
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("...nqk,...nkd->...nqd", probs, v)
+
+
+def _heads(x: Array, n: int) -> Array:
+  """[..., T, H] -> [..., N, T, H / N]."""
+  x = x.reshape(*x.shape[:-1], n, x.shape[-1] // n)
+  return jnp.moveaxis(x, -2, -3)
+
+
+def _merge(x: Array) -> Array:
+  """[..., N, T, Dh] -> [..., T, N * Dh]."""
+  x = jnp.moveaxis(x, -3, -2)
+  return x.reshape(*x.shape[:-2], -1)
+
+
+class RelativeBias(nn.Module):
+  """A learned bias per head for each key - query offset in [-max_back, max_ahead] (clipped):
+  [Q] query and [K] key positions -> [N, Q, K] float32."""
+  num_heads: int
+  max_back: int
+  max_ahead: int
+
+  @nn.compact
+  def __call__(self, q_pos: Array, k_pos: Array) -> Array:
+    table = self.param("table", nn.initializers.zeros,
+                       (self.max_back + self.max_ahead + 1, self.num_heads), jnp.float32)
+    offset = jnp.clip(k_pos[None, :] - q_pos[:, None], -self.max_back, self.max_ahead)
+    return jnp.moveaxis(table[offset + self.max_back], -1, 0)
+
+
+class CausalSelfAttention(nn.Module):
+  """GPT-2's attention: fused `c_attn` [H, 3H], `c_proj`."""
+  config: RetroConfig
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool) -> Array:
+    c = self.config
+    length = x.shape[-2]
+    q, k, v = jnp.split(_dense(c, 3 * c.hidden_size, "c_attn")(x), 3, axis=-1)
+    q, k, v = (_heads(t, c.num_heads) for t in (q, k, v))            # [B, N, L, Dh]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    ctx = _merge(_attend(q, k, v, jnp.where(causal, 0.0, _NEG)))     # [B, L, H]
+    out = _dense(c, c.hidden_size, "c_proj")(ctx)
+    return nn.Dropout(c.dropout)(out, deterministic=deterministic)
+
+
+class Mlp(nn.Module):
+  config: RetroConfig
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool) -> Array:
+    c = self.config
+    out = _dense(c, c.hidden_size, "c_proj")(_gelu(_dense(c, c.mlp_size, "c_fc")(x)))
+    return nn.Dropout(c.dropout)(out, deterministic=deterministic)
+
+
+class CrossAttention(nn.Module):
+  """Queries from x [..., Q, H], keys and values from `memory` [..., K, H], a key mask [..., K]
+  and a relative bias [N, Q, K]. A query whose keys are all masked gets 0."""
+  config: RetroConfig
+
+  @nn.compact
+  def __call__(self, x: Array, memory: Array, key_mask: Array, bias: Array) -> Array:
+    c = self.config
+    q = _heads(_dense(c, c.hidden_size, "query")(x), c.num_heads)
+    k, v = jnp.split(_dense(c, 2 * c.hidden_size, "key_value")(memory), 2, axis=-1)
+    k, v = _heads(k, c.num_heads), _heads(v, c.num_heads)
+    mask = key_mask[..., None, None, :]                               # [..., 1, 1, K]
+    ctx = _merge(_attend(q, k, v, bias + jnp.where(mask, 0.0, _NEG)))    # [..., Q, H]
+    return jnp.where(key_mask.any(-1)[..., None, None], _dense(c, c.hidden_size, "out")(ctx), 0)
+
+
+class EncoderLayer(nn.Module):
+  """A neighbour's tokens attend to each other (bidirectional), then to the activations of the
+  chunk that retrieved them, then a feed-forward block; pre-LayerNorm residuals."""
+  config: RetroConfig
+
+  @nn.compact
+  def __call__(self, x: Array, mask: Array, chunk: Array, deterministic: bool) -> Array:
+    """x [B, C, K, R, H], mask [B, C, K, R], chunk [B, C, m, H] -> [B, C, K, R, H]."""
+    c = self.config
+    r, m = x.shape[-2], chunk.shape[-2]
+    pos_r, pos_m = jnp.arange(r), jnp.arange(m)
+    self_bias = RelativeBias(c.num_heads, r - 1, r - 1, name="self_bias")(pos_r, pos_r)
+    h = _layer_norm(c, "ln_1")(x).astype(x.dtype)
+    x = x + CrossAttention(c, name="self_attn")(h, h, mask, self_bias)
+    # The chunk's keys and values are computed once and shared by its K neighbours.
+    cross_bias = RelativeBias(c.num_heads, r - 1, m - 1, name="cross_bias")(pos_r, pos_m)
+    chunk = _layer_norm(c, "ln_chunk")(chunk).astype(x.dtype)[:, :, None]   # [B, C, 1, m, H]
+    h = _layer_norm(c, "ln_2")(x).astype(x.dtype)
+    x = x + CrossAttention(c, name="cross_attn")(h, chunk, jnp.ones(chunk.shape[:-1], bool),
+                                                 cross_bias)
+    return x + Mlp(c, name="mlp")(_layer_norm(c, "ln_3")(x).astype(x.dtype), deterministic)
+
+
+class NeighbourEncoder(nn.Module):
+  """Embeds the retrieved neighbours (the decoder's word embeddings, no absolute positions),
+  conditioned on the chunk that retrieved each: [B, C, K, R] tokens -> [B, C, K, R, H]."""
+  config: RetroConfig
+
+  @nn.compact
+  def __call__(self, embedded: Array, mask: Array, chunks: Array, deterministic: bool) -> Array:
+    """embedded [B, C, K, R, H] (word embeddings of the neighbours), mask [B, C, K, R],
+    chunks [B, C, m, H] (decoder activations of each retrieving chunk)."""
+    c = self.config
+    x = embedded
+    layer = nn.remat(EncoderLayer, static_argnums=(4,)) if c.remat else EncoderLayer
+    for i in range(c.encoder_layers):
+      x = layer(c, name=f"layer_{i}")(x, mask, chunks, deterministic)
+    return _layer_norm(c, "ln_f")(x).astype(c.compute_dtype)
+
+
+class ChunkedCrossAttention(nn.Module):
+  """x [B, L, H] attends the encoded neighbours E [B, C, K, R, H] (mask [B, C, K, R]) chunk by
+  chunk, shifted by m - 1: token t (t >= m - 1) reads the neighbours of chunk (t - m + 1) // m,
+  the last chunk complete at t; tokens 0 .. m - 2 get 0. Returns [B, L, H]."""
+  config: RetroConfig
+
+  @nn.compact
+  def __call__(self, x: Array, encoded: Array, mask: Array) -> Array:
+    c = self.config
+    b, length, h = x.shape
+    m, (num_chunks, k, r) = c.chunk_length, encoded.shape[1:4]
+    # Attending chunks: drop the first m - 1 tokens, pad the end back to C whole chunks.
+    shifted = jnp.pad(x[:, m - 1:], ((0, 0), (0, m - 1), (0, 0)))
+    queries = shifted.reshape(b, num_chunks, m, h)                     # [B, C, m, H]
+    memory = encoded.reshape(b, num_chunks, k * r, h)                  # [B, C, K*R, H]
+    # Offsets within a neighbour (its token j against the query's place i in its chunk),
+    # the same for each of the K neighbours laid side by side.
+    bias = RelativeBias(c.num_heads, m - 1, r - 1, name="bias")(jnp.arange(m), jnp.arange(r))
+    bias = jnp.tile(bias, (1, 1, k))                                   # [N, m, K*R]
+    out = CrossAttention(c, name="attn")(queries, memory, mask.reshape(b, num_chunks, k * r),
+                                         bias)                         # [B, C, m, H]
+    out = out.reshape(b, num_chunks * m, h)[:, :length - (m - 1)]
+    out = jnp.pad(out, ((0, 0), (m - 1, 0), (0, 0)))
+    return nn.Dropout(c.dropout)(out, deterministic=True)
+
+
+class DecoderBlock(nn.Module):
+  """GPT-2's block, with CCA between attention and feed-forward when `cca` (pre-LayerNorm
+  residuals). The first CCA block (`encode`) also runs the neighbour encoder on its activations.
+  Returns (x, encoded neighbours, the feed-forward block's normalised input)."""
+  config: RetroConfig
+  cca: bool = False
+  encode: bool = False
+
+  @nn.compact
+  def __call__(self, x: Array, neighbours: Array | None, mask: Array | None,
+               encoded: Array | None, deterministic: bool):
+    """x [B, L, H]; neighbours: their word embeddings [B, C, K, R, H] and mask [B, C, K, R]."""
+    c = self.config
+    x = x + CausalSelfAttention(c, name="attn")(
+        _layer_norm(c, "ln_1")(x).astype(x.dtype), deterministic)
+    if self.cca and neighbours is not None:
+      b, length, h = x.shape
+      if self.encode:
+        chunks = x.reshape(b, length // c.chunk_length, c.chunk_length, h)
+        encoded = NeighbourEncoder(c, name="encoder")(neighbours, mask, chunks, deterministic)
+      x = x + ChunkedCrossAttention(c, name="cca")(
+          _layer_norm(c, "ln_cca")(x).astype(x.dtype), encoded, mask)
+    ffn_in = _layer_norm(c, "ln_2")(x).astype(x.dtype)
+    return x + Mlp(c, name="mlp")(ffn_in, deterministic), encoded, ffn_in
+
+
+class RetroModel(nn.Module):
+  """The decoder: tokens [B, L] (+ neighbours [B, C, K, R], C = L / m) -> logits [B, L, V]."""
+  config: RetroConfig
+
+  @nn.compact
+  def __call__(self, tokens: Array, neighbours: Array | None = None,
+               deterministic: bool = True, return_hidden: bool = False):
+    """Next-token logits (float32) for every position of `tokens` [B, L].
+
+    neighbours: [B, C, K, R] token ids, C = L / m chunks, K neighbours of R tokens each; pad_id
+      marks padding. None: no retrieval (the same model with its CCA layers skipped).
+    return_hidden: also return the input of the last feed-forward block after its LayerNorm,
+      [B, L, H] (kNN-LM's keys).
+    """
+    c = self.config
+    length = tokens.shape[-1]
+    if length > c.max_length:
+      raise ValueError(f"A sequence of {length} tokens is longer than the model's context of "
+                       f"{c.max_length} (max_length).")
+    if neighbours is not None and c.retrieval:
+      if length % c.chunk_length:
+        raise ValueError(f"With retrieval the sequence length ({length}) must be a multiple of "
+                         f"the chunk length {c.chunk_length}.")
+      want = (tokens.shape[0], length // c.chunk_length)
+      if neighbours.ndim != 4 or neighbours.shape[:2] != want:
+        raise ValueError(f"neighbours must be [B, C, K, R] with [B, C] = {list(want)}; got "
+                         f"{list(neighbours.shape)}.")
+    init = nn.initializers.normal(c.initializer_range)
+    wte = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.compute_dtype, param_dtype=jnp.float32,
+                   embedding_init=init, name="wte")
+    wpe = nn.Embed(c.max_length, c.hidden_size, dtype=c.compute_dtype, param_dtype=jnp.float32,
+                   embedding_init=init, name="wpe")
+    x = wte(tokens) + wpe(jnp.arange(length))
+    x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
+    embedded = mask = None
+    if neighbours is not None and c.retrieval:
+      embedded, mask = wte(neighbours), neighbours != c.pad_id        # [B, C, K, R, H]
+    block = nn.remat(DecoderBlock, static_argnums=(5,)) if c.remat else DecoderBlock
+    encoded, first = None, min(c.cca_layers, default=0)
+    for i in range(c.num_layers):
+      x, encoded, hidden = block(c, cca=i + 1 in c.cca_layers, encode=i + 1 == first,
+                                 name=f"h_{i}")(x, embedded, mask, encoded, deterministic)
+    x = _layer_norm(c, "ln_f")(x)
+    logits = wte.attend(x.astype(c.compute_dtype)).astype(jnp.float32)
+    return (logits, hidden) if return_hidden else logits
+
+
+def token_nll(logits: Array, targets: Array) -> Array:
+  """-log p(target) per position: logits [..., V] float32, targets [...] int -> [...] float32."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def neighbour_shape(config: RetroConfig, length: int) -> tuple[int, int, int]:
+  """(C, K, R) of the neighbours of a sequence of `length` tokens."""
+  return length // config.chunk_length, config.num_neighbours, 2 * config.chunk_length

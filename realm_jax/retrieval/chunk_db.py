@@ -1,0 +1,447 @@
+"""RETRO's chunk database (Borgeaud et al. 2021): chunks of a corpus, keyed by a frozen BERT, with
+the neighbours of every chunk and the training and evaluation examples that carry them.
+
+    db = build_database(config.db, "work/db")      # once; a killed build resumes where it stopped
+    db = RetroDb.open("work/db")
+    db.read_sequence("train", 0)  # inputs, targets, target_docs [L], neighbours [n, k, 2m], ...
+
+The build runs in stages, each recorded in `stage-<name>.json` once its files are written (each
+atomically) and skipped when that record exists; `retro_db.json`, the manifest, is written last:
+a directory without it is incomplete. Files in `db_dir`:
+
+  settings.json                the settings asked for (another build with other ones is refused)
+  {split}.stream.npy           [T] int32 the split's token stream (realm_jax/data/chunks.py)
+  {split}.docs.npy             [T] int32 each token's document (-1: leading eos, padding)
+  {split}.documents.json       per document: title, where, bytes, tokens
+  {split}.keys.npy             [N, D] float32 each chunk's key: the key tower, mean pooled
+  index/                       DocIndex over the keys of the non-empty train chunks (ids = rows)
+  {split}.neighbours.npy       [N, k] int64 train chunk ids, best first
+  {split}.array_record         one record per sequence: `layout` in the manifest
+  retro_db.json                settings, fingerprint, counts, key tower (key_name, key_fingerprint,
+                               key_dim), tokenizer, layout, the seconds of each stage and the
+                               CRC-32 of every file (checked on open)
+
+A train chunk never retrieves a chunk of a document its own sequence reads or predicts; held-out
+chunks search the whole database (it holds train documents only).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from realm_jax import config_checks, io_utils
+from realm_jax.checkpoints.weights import resolve
+from realm_jax.data.chunks import (SPLITS, chunk_documents, chunk_values, decode_record,
+                                   excluded_chunk_ranges, record_layout, write_sequences)
+from realm_jax.data.sources import SOURCES, documents
+from realm_jax.retrieval.embed import embed_corpus, embed_in_buckets
+from realm_jax.retrieval.index import DocIndex
+from realm_jax.retrieval.index_store import arrays_crc32
+from realm_jax.retrieval.neighbours import save_npy, search_neighbours
+from realm_jax.retrieval.searcher import SEARCHERS
+from realm_jax.text.lm_tokenizer import LmTokenizer, key_inputs, load_lm_tokenizer, shares_vocab
+
+VERSION = 1
+MANIFEST = "retro_db.json"
+SETTINGS = "settings.json"
+# The settings that make a database; the others (dir, key_batch_size, shard_size) only say how.
+_CHUNK_KEYS = ("source", "paths", "tfds_name", "max_docs", "heldout_percent", "tokenizer_file",
+               "chunk_length", "seq_chunks")
+CONTENT_KEYS = _CHUNK_KEYS + ("key_weights", "key_length", "searcher", "num_neighbours")
+# The settings each stage's files depend on: those of a directory may still change while no
+# finished stage depends on them (e.g. num_neighbours, after a k refused once the text was read).
+STAGE_KEYS = {"chunks": _CHUNK_KEYS, "keys": _CHUNK_KEYS + ("key_weights", "key_length"),
+              "index": CONTENT_KEYS, "neighbours": CONTENT_KEYS, "examples": CONTENT_KEYS}
+
+
+def check_settings(db, flag: str = "--config.db") -> None:
+  """Cheap checks of `config.db` (configs/retro.py: database_config), before any work."""
+  config_checks.one_of(db, {"source": SOURCES, "searcher": tuple(SEARCHERS)}, flag)
+  for key, low in (("chunk_length", 1), ("seq_chunks", 1), ("num_neighbours", 1),
+                   ("key_length", 3), ("key_batch_size", 1), ("shard_size", 1), ("max_docs", 0)):
+    config_checks.whole_number(f"{flag}.{key}", db[key], low)
+  config_checks.at_least(db, {"heldout_percent": 0}, flag)
+  if db.heldout_percent > 100:
+    raise ValueError(f"{flag}.heldout_percent={db.heldout_percent!r}: give a percentage, 0 to 100.")
+  if db.paths and db.source != "jsonl":
+    raise ValueError(f"{flag}.paths are read only with {flag}.source=jsonl, not "
+                     f"{db.source!r}: set the source to jsonl, or drop the paths.")
+
+
+def db_settings(db) -> dict:
+  return {k: list(db[k]) if k == "paths" else db[k] for k in CONTENT_KEYS}
+
+
+def file_crc32(path: str) -> str:
+  """CRC-32 of a file's bytes (index_store.arrays_crc32)."""
+  if os.path.getsize(path) == 0:
+    return arrays_crc32(np.zeros(0, np.uint8))
+  return arrays_crc32(np.memmap(path, np.uint8, mode="r"))
+
+
+class _ChunkKeyTexts:
+  """A split's chunks as `embed_corpus` takes a corpus: a length, a place, inputs by row."""
+
+  def __init__(self, chunks, lm_tokenizer, same_vocab, data_dir):
+    self.chunks, self.lm_tokenizer, self.same_vocab, self.data_dir = (
+        chunks, lm_tokenizer, same_vocab, data_dir)
+
+  def __len__(self) -> int:
+    return len(self.chunks)
+
+  def model_inputs(self, rows, max_length, tokenizer, truncate="b"):
+    del truncate  # a key is one segment, cut at max_length
+    return key_inputs(self.chunks[np.asarray(rows)], self.lm_tokenizer, tokenizer, max_length,
+                      self.same_vocab)
+
+
+def _stage(db_dir: str, name: str, run) -> dict:
+  """Runs a build stage unless its record exists; returns the record (with its seconds)."""
+  path = os.path.join(db_dir, f"stage-{name}.json")
+  if os.path.exists(path):
+    logging.info("RETRO database, %s: done before, reusing it.", name)
+    return io_utils.read_json(path)
+  start = time.perf_counter()
+  record = run()
+  record["seconds"] = round(time.perf_counter() - start, 2)
+  io_utils.write_json(path, record)
+  logging.info("RETRO database, %s: %s in %.1f s", name, record["summary"], record["seconds"])
+  return record
+
+
+def _load(db_dir: str, split: str, name: str) -> np.ndarray:
+  return np.load(os.path.join(db_dir, f"{split}.{name}.npy"), mmap_mode="r", allow_pickle=False)
+
+
+def _crcs(db_dir: str, names) -> dict:
+  return {n: file_crc32(os.path.join(db_dir, n)) for n in names}
+
+
+def build_database(db_config, db_dir: str, *, flag: str = "--config.db") -> "RetroDb":
+  """Builds the chunk database of `db_config` (configs/retro.py: database_config) in `db_dir`, or
+  finishes an interrupted build, or opens a complete one; returns it opened.
+
+  Raises:
+    ValueError naming the `flag.<key>` settings that differ when `db_dir` was built with others,
+    and `flag.num_neighbours` when it exceeds the chunks a training chunk may retrieve.
+  """
+  check_settings(db_config, flag)
+  if io_utils.is_remote(db_dir):
+    raise ValueError(f"{flag}.dir={db_dir}: the chunk database is memory-mapped and needs a local "
+                     "directory; build it on a local disk.")
+  db, settings = db_config, db_settings(db_config)
+  _claim(db_dir, settings, flag)
+  if os.path.exists(os.path.join(db_dir, MANIFEST)):
+    return RetroDb.open(db_dir)
+  weights = resolve(db.key_weights, flag=f"{flag}.key_weights")
+  tokenizer = load_lm_tokenizer(db.tokenizer_file, weights.vocab() if not db.tokenizer_file else "",
+                                f"{flag}.tokenizer_file")
+  m, n, k = db.chunk_length, db.seq_chunks, db.num_neighbours
+
+  def chunk_stage():
+    docs = tqdm(documents(db.source, db.paths, db.tfds_name, db.max_docs or None),
+                total=db.max_docs or None, desc="tokenizing documents", unit="doc")
+    splits, stats = chunk_documents(docs, tokenizer, m, n, db.heldout_percent)
+    counts = {}
+    for split, s in splits.items():
+      save_npy(os.path.join(db_dir, f"{split}.stream.npy"), s.stream)
+      save_npy(os.path.join(db_dir, f"{split}.docs.npy"), s.docs)
+      io_utils.write_json(os.path.join(db_dir, f"{split}.documents.json"), s.documents)
+      counts[split] = {"documents": len(s.documents), "chunks": s.num_chunks,
+                       "sequences": s.num_sequences,
+                       "tokens": sum(d["tokens"] for d in s.documents),
+                       "bytes": sum(d["bytes"] for d in s.documents)}
+    if stats["skipped"]:
+      logging.warning("Skipped %d documents without text, e.g. %s.", stats["skipped"],
+                      ", ".join(stats["skipped_examples"]))
+    names = [f"{s}.{x}" for s in SPLITS for x in ("stream.npy", "docs.npy", "documents.json")]
+    return {"content_sha256": stats["content_sha256"], "counts": counts,
+            "skipped_documents": stats["skipped"], "files": _crcs(db_dir, names),
+            "summary": f"{stats['documents']} documents read, {counts}"}
+
+  chunks = _stage(db_dir, "chunks", chunk_stage)
+  indexed = _check_k(db_dir, db, flag)
+
+  def key_stage():
+    from realm_jax.retrieval.towers import load_tower
+    tower = load_tower(db.key_weights, flag=f"{flag}.key_weights")
+    same = shares_vocab(tokenizer, tower.tokenizer)
+    for split in SPLITS:
+      texts = _ChunkKeyTexts(_load(db_dir, split, "stream")[:chunks["counts"][split]["chunks"] * m]
+                             .reshape(-1, m), tokenizer, same, db_dir)
+      keys = np.zeros((0, tower.dim), np.float32)
+      if len(texts):
+        keys = embed_corpus(
+            texts, tower.embed, tower.tokenizer,
+            os.path.join(db_dir, f"keys-{split}.shards-{db.shard_size}"), db.key_length,
+            shard_size=db.shard_size, batch_size=db.key_batch_size,
+            fingerprint=f"{chunks['content_sha256'][:16]}-{tokenizer.name}-{tower.fingerprint}-"
+                        f"{db.key_length}-{split}")
+      save_npy(os.path.join(db_dir, f"{split}.keys.npy"), keys.astype(np.float32))
+    for d in glob.glob(os.path.join(db_dir, "keys-*.shards-*")):
+      shutil.rmtree(d)
+    return {"key_fingerprint": tower.fingerprint, "key_name": weights.name, "dim": tower.dim,
+            "same_vocab": same, "files": _crcs(db_dir, [f"{s}.keys.npy" for s in SPLITS]),
+            "summary": f"{sum(c['chunks'] for c in chunks['counts'].values())} chunks embedded "
+                       f"by {weights.name} ({'same' if same else 'decoded'} text)"}
+
+  keys = _stage(db_dir, "keys", key_stage)
+  fingerprint = hashlib.sha256(json.dumps(
+      [VERSION, settings, chunks["content_sha256"], tokenizer.name, keys["key_fingerprint"]],
+      sort_keys=True).encode()).hexdigest()[:16]
+  index_dir = os.path.join(db_dir, "index")
+
+  def index_stage():
+    train_keys = np.asarray(_load(db_dir, "train", "keys"))[indexed]
+    DocIndex(train_keys, indexed, searcher=db.searcher).save(
+        index_dir, step=0, model_fingerprint=keys["key_fingerprint"],
+        corpus_fingerprint=fingerprint, embeddings=train_keys)
+    return {"count": len(indexed), "summary": f"{len(indexed)} train chunks indexed"}
+
+  index_record = _stage(db_dir, "index", index_stage)
+
+  def neighbour_stage():
+    index = DocIndex.load(index_dir, expected_corpus_fingerprint=fingerprint,
+                          expected_model_fingerprint=keys["key_fingerprint"], searcher=db.searcher)
+    for split in SPLITS:
+      queries = np.asarray(_load(db_dir, split, "keys"))
+      ranges = (excluded_chunk_ranges(_load(db_dir, split, "docs"), m, n) if split == "train"
+                else np.full((len(queries), 2), -1, np.int64))
+      found = search_neighbours(
+          index, queries, ranges, k, out_dir=os.path.join(
+              db_dir, f"neighbours-{split}.shards-{db.shard_size}"),
+          shard_size=db.shard_size, fingerprint=fingerprint, desc=f"neighbours ({split})")
+      save_npy(os.path.join(db_dir, f"{split}.neighbours.npy"), found)
+    for d in glob.glob(os.path.join(db_dir, "neighbours-*.shards-*")):
+      shutil.rmtree(d)
+    return {"files": _crcs(db_dir, [f"{s}.neighbours.npy" for s in SPLITS]),
+            "summary": f"{k} neighbours of every chunk"}
+
+  neighbour_record = _stage(db_dir, "neighbours", neighbour_stage)
+  layout = record_layout(m, n, k)
+
+  def example_stage():
+    train_stream, num_train = _load(db_dir, "train", "stream"), chunks["counts"]["train"]["chunks"]
+    for split in SPLITS:
+      io_utils.atomic_write(os.path.join(db_dir, f"{split}.array_record"), functools.partial(
+          write_sequences, stream=_load(db_dir, split, "stream"), docs=_load(db_dir, split, "docs"),
+          neighbours=_load(db_dir, split, "neighbours"), train_stream=train_stream,
+          num_train=num_train, chunk_length=m, seq_chunks=n, pad_id=tokenizer.pad_id))
+    return {"files": _crcs(db_dir, [f"{s}.array_record" for s in SPLITS]),
+            "summary": str({s: chunks["counts"][s]["sequences"] for s in SPLITS}) + " sequences"}
+
+  examples = _stage(db_dir, "examples", example_stage)
+  stages = {"chunks": chunks, "keys": keys, "index": index_record,
+            "neighbours": neighbour_record, "examples": examples}
+  manifest = {
+      "version": VERSION, "settings": settings, "fingerprint": fingerprint,
+      "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+                    "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id},
+      "key_name": keys["key_name"], "key_fingerprint": keys["key_fingerprint"],
+      "key_dim": keys["dim"],
+      "counts": {**chunks["counts"], "skipped_documents": chunks["skipped_documents"],
+                 "indexed_chunks": index_record["count"]},
+      "layout": layout,
+      "seconds": {name: r["seconds"] for name, r in stages.items()},
+      "files": {f: c for r in stages.values() for f, c in r.get("files", {}).items()}}
+  io_utils.write_json(os.path.join(db_dir, MANIFEST), manifest)
+  return RetroDb(db_dir, manifest, tokenizer)
+
+
+def _claim(db_dir: str, settings: dict, flag: str) -> None:
+  """Makes `db_dir` the place of a database of `settings`, unless a finished stage of it depends
+  on other settings (ValueError naming them); clears what a killed build left half written."""
+  os.makedirs(db_dir, exist_ok=True)
+  path = os.path.join(db_dir, SETTINGS)
+  old = io_utils.read_json(path) if os.path.exists(path) else None
+  if old != settings:
+    done = [n for n in STAGE_KEYS if os.path.exists(os.path.join(db_dir, f"stage-{n}.json"))]
+    fixed = {k for n in done for k in STAGE_KEYS[n]}
+    diff = sorted(k for k in fixed if old.get(k) != settings.get(k)) if old else []
+    if diff:
+      said = ", ".join(f"{flag}.{k}={old.get(k)!r} (now {settings.get(k)!r})" for k in diff)
+      raise ValueError(f"{db_dir} holds a chunk database built with other settings: {said}. Pass "
+                       f"those settings to use it, another {flag}.dir for a new database, or "
+                       f"delete {db_dir} to build it again.")
+    io_utils.write_json(path, settings)
+  # Temporary files of a killed write, and shards searched or embedded with other settings.
+  patterns = [".tmp-*", ".old-*"] + (["*.shards-*"] if old != settings else [])
+  for p in (p for pattern in patterns for p in glob.glob(os.path.join(db_dir, pattern))):
+    if os.path.isdir(p):
+      shutil.rmtree(p)
+    else:
+      os.remove(p)
+
+
+def _check_k(db_dir: str, db, flag: str) -> np.ndarray:
+  """The ids of the non-empty train chunks (what the index holds), once k is known to fit."""
+  docs, m, n = _load(db_dir, "train", "docs"), db.chunk_length, db.seq_chunks
+  num_chunks = (len(docs) - 1) // m // n * n
+  if num_chunks == 0:
+    raise ValueError(f"The chunk database has no training text: every document of {db.source} is "
+                     f"held out or empty. Lower {flag}.heldout_percent={db.heldout_percent} or "
+                     f"raise {flag}.max_docs={db.max_docs}.")
+  # A chunk of padding only (at the end of the stream) is never a neighbour.
+  nonempty = (np.asarray(docs[:num_chunks * m]).reshape(-1, m) >= 0).any(1)
+  ranges = excluded_chunk_ranges(docs, m, n)
+  before = np.concatenate([[0], np.cumsum(nonempty)])  # non-empty chunks below each id
+  barred = np.where(ranges[:, 0] >= 0, before[ranges[:, 1] + 1] - before[ranges[:, 0]], 0)
+  returnable = int(nonempty.sum() - barred.max())
+  if db.num_neighbours > returnable:
+    raise ValueError(
+        f"{flag}.num_neighbours={db.num_neighbours}: the database has {int(nonempty.sum())} "
+        f"chunks, and a training chunk may not retrieve the up to {int(barred.max())} chunks of "
+        f"its own sequence's documents, which leaves {returnable}. Ask for at most {returnable} "
+        f"neighbours, or use more documents ({flag}.max_docs={db.max_docs}).")
+  return np.flatnonzero(nonempty)
+
+
+def read_manifest(db_dir: str) -> dict:
+  """The manifest of a complete database; FileNotFoundError when it is not one."""
+  path = os.path.join(db_dir, MANIFEST)
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f"{db_dir} holds no complete chunk database (no {MANIFEST}): build it with "
+        "realm_jax.retrieval.chunk_db.build_database (experiments/retro_train.py builds it first); "
+        "an interrupted build resumes.")
+  manifest = io_utils.read_json(path)
+  if manifest.get("version") != VERSION:
+    raise ValueError(f"{path} has version {manifest.get('version')!r}; this realm_jax reads "
+                     f"version {VERSION}: delete {db_dir} and build it again.")
+  return manifest
+
+
+class RetroDb:
+  """A complete chunk database, opened read-only (arrays memory-mapped)."""
+
+  def __init__(self, directory: str, manifest: dict, tokenizer: LmTokenizer):
+    self.directory, self.manifest, self.tokenizer = directory, manifest, tokenizer
+    s = manifest["settings"]
+    self.settings, self.layout, self.fingerprint = s, manifest["layout"], manifest["fingerprint"]
+    self.chunk_length, self.seq_chunks = s["chunk_length"], s["seq_chunks"]
+    self.num_neighbours = s["num_neighbours"]
+    self.key_fingerprint = manifest["key_fingerprint"]
+    self._sources, self._tower = {}, None
+
+  @classmethod
+  def open(cls, db_dir: str, *, verify: bool = True) -> "RetroDb":
+    """Opens a complete database; `verify` checks the CRC-32 of every file (reads them all)."""
+    manifest = read_manifest(db_dir)
+    redo = f"delete {db_dir} and build the database again"
+    for name, want in manifest["files"].items() if verify else ():
+      path = os.path.join(db_dir, name)
+      if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing from the chunk database: {redo}.")
+      if file_crc32(path) != want:
+        raise ValueError(f"{path} is corrupt: its CRC-32 is {file_crc32(path)}, the build "
+                         f"recorded {want}: {redo}.")
+    s = manifest["settings"]
+    vocab = "" if s["tokenizer_file"] else resolve(s["key_weights"],
+                                                   flag="--config.db.key_weights").vocab()
+    tokenizer = load_lm_tokenizer(s["tokenizer_file"], vocab)
+    if tokenizer.name != manifest["tokenizer"]["name"]:
+      raise ValueError(f"--config.db.tokenizer_file={s['tokenizer_file']!r} now gives tokenizer "
+                       f"{tokenizer.name}, but {db_dir} was built with "
+                       f"{manifest['tokenizer']['name']}: restore that file, or {redo}.")
+    return cls(db_dir, manifest, tokenizer)
+
+  def _split(self, split: str) -> str:
+    if split not in SPLITS:
+      raise ValueError(f"split={split!r}: use one of {SPLITS}.")
+    return split
+
+  def num_sequences(self, split: str) -> int:
+    return self.manifest["counts"][self._split(split)]["sequences"]
+
+  def num_chunks(self, split: str) -> int:
+    return self.manifest["counts"][self._split(split)]["chunks"]
+
+  def documents(self, split: str) -> list[dict]:
+    """Per document of the split: title, where, bytes, tokens."""
+    return io_utils.read_json(os.path.join(self.directory, f"{self._split(split)}.documents.json"))
+
+  def array(self, split: str, name: str) -> np.ndarray:
+    """A split's memory-mapped array: "stream", "docs" [T], "keys" [N, D], "neighbours" [N, k]."""
+    return _load(self.directory, self._split(split), name)
+
+  @property
+  def train_stream(self) -> np.ndarray:
+    return self.array("train", "stream")
+
+  def examples_path(self, split: str) -> str:
+    return os.path.join(self.directory, f"{self._split(split)}.array_record")
+
+  def read_sequence(self, split: str, s: int) -> dict[str, np.ndarray]:
+    """Sequence `s` of a split: inputs, targets, target_docs [L]; neighbours [n, k, 2m];
+    neighbour_ids [n, k] (int32)."""
+    if not 0 <= s < self.num_sequences(split):
+      raise IndexError(f"Sequence {s} is out of range: {split} has {self.num_sequences(split)}.")
+    if split not in self._sources:
+      import grain
+      self._sources[split] = grain.sources.ArrayRecordDataSource(self.examples_path(split))
+    return decode_record(self._sources[split][s], self.layout)
+
+  def values(self, chunk_ids: np.ndarray) -> np.ndarray:
+    """[..., 2m] int32 tokens of train chunks [...] and their continuations (-1: all pad)."""
+    return chunk_values(self.train_stream, chunk_ids, self.chunk_length,
+                        self.num_chunks("train"), self.tokenizer.pad_id)
+
+  def chunk_title(self, chunk_id: int) -> str:
+    """The title of the train document a train chunk starts in (its first document token)."""
+    m = self.chunk_length
+    docs = np.asarray(self.array("train", "docs")[chunk_id * m:(chunk_id + 1) * m])
+    docs = docs[docs >= 0]
+    return self.documents("train")[int(docs[0])]["title"] if len(docs) else ""
+
+  def load_index(self, searcher: str | None = None, **options) -> DocIndex:
+    return DocIndex.load(os.path.join(self.directory, "index"),
+                         expected_corpus_fingerprint=self.fingerprint,
+                         expected_model_fingerprint=self.key_fingerprint,
+                         searcher=searcher or self.settings["searcher"], **options)
+
+  def key_tower(self):
+    """The frozen tower that embedded the keys (loaded once), checked to be the same weights."""
+    if self._tower is None:
+      from realm_jax.retrieval.towers import load_tower
+      weights = self.settings["key_weights"]
+      tower = load_tower(weights, flag="--config.db.key_weights")
+      if tower.fingerprint != self.key_fingerprint:
+        raise ValueError(
+            f"--config.db.key_weights={weights} now loads weights with fingerprint "
+            f"{tower.fingerprint}, but the keys of {self.directory} were made by "
+            f"{self.key_fingerprint}: restore those weights, or build the database again.")
+      self._tower = (tower, shares_vocab(self.tokenizer, tower.tokenizer))
+    return self._tower[0]
+
+  def embed_keys(self, token_chunks: np.ndarray) -> np.ndarray:
+    """Keys [Q, D] float32 of token chunks [Q, m] (the decoder's tokens), as the build made them."""
+    tower = self.key_tower()
+    token_chunks = np.asarray(token_chunks).reshape(-1, self.chunk_length)
+    if len(token_chunks) == 0:
+      return np.zeros((0, tower.dim), np.float32)
+    inputs = key_inputs(token_chunks, self.tokenizer, tower.tokenizer, self.settings["key_length"],
+                        self._tower[1])
+    # One padded length: each batch size compiles once, however long the chunks' texts are.
+    return embed_in_buckets(tower.embed, inputs, 256, [self.settings["key_length"]],
+                            progress=tqdm(disable=True))
+
+  def check_compatible(self, tokenizer_name: str | None = None,
+                       key_fingerprint: str | None = None) -> None:
+    """Refuses a model made with another tokenizer or key tower than this database's."""
+    for flag, asked, own in (("--config.db.tokenizer_file", tokenizer_name, self.tokenizer.name),
+                             ("--config.db.key_weights", key_fingerprint, self.key_fingerprint)):
+      if asked is not None and asked != own:
+        raise ValueError(
+            f"The model was made with {flag} giving {asked}, but the chunk database in "
+            f"{self.directory} with {own}: use the database built with the model's setting "
+            f"({flag}), or train the model on this one.")

@@ -1,0 +1,245 @@
+"""RETRO training on the shared loop (experiments/retro_train.py): the chunk database once, then
+the RETRO decoder and, on the same batches, the baseline decoder of the same size, then the
+held-out evaluation (realm_jax/eval/retro.py).
+
+    <workdir>/db            the chunk database (unless config.db.dir): tokens, keys, index,
+                            precomputed neighbours (realm_jax/retrieval/chunk_db.py)
+    <workdir>/retro         a run: checkpoints (state + data iterator), tb/, metrics.jsonl,
+                            export/ (model.safetensors + retro.json) when it ends
+    <workdir>/baseline      the same without retrieval (config.models)
+    <workdir>/eval.json     held-out bits per byte (with / without neighbours / baseline), by
+                            neighbour overlap; eval.md and bpb.png beside it
+
+A step is next-token cross-entropy over the sequence's scored targets (padding and the stream's
+first token are not), AdamW (b2 0.95, decay on kernels and embeddings only, global-norm clip) with
+linear warmup and cosine decay. RETROfitting (config.init = a HF GPT-2 directory) loads the decoder
+and, with config.freeze_decoder, trains only the neighbour encoder and the CCA layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from realm_jax import config_checks, workdir_lock
+from realm_jax.checkpoints import retro_export
+from realm_jax.data.retro_batches import retro_batches
+from realm_jax.models.retro import RetroConfig, RetroModel, cca_layers, token_nll
+from realm_jax.retrieval.chunk_db import RetroDb, build_database
+from realm_jax.train import loop
+from realm_jax.train.realm_step import loss_step
+
+MODELS = ("retro", "baseline")
+# What a run's parameters, optimiser state and data depend on: a workdir made with other values
+# is refused (loop.check_workdir_config).
+FIXED_SETTINGS = ("model", "init", "freeze_decoder", "batch_size", "seed", "db")
+LN2 = math.log(2.0)
+
+
+def database_dir(config, workdir: str) -> str:
+  return config.db.dir or os.path.join(workdir, "db")
+
+
+def check_settings(config, workdir: str) -> None:
+  """Refuses settings no run can use, naming the flag, before the database or any compiling."""
+  config_checks.workdir(workdir)
+  config_checks.at_least(config, {
+      **loop.LOOP_MINIMUMS, "learning_rate": 0, "eval_sequences": 1, "model.num_layers": 1,
+      "model.hidden_size": 8, "model.num_heads": 1, "model.mlp_size": 1,
+      "model.encoder_layers": 1, "model.num_neighbours": 1, "db.chunk_length": 2,
+      "db.seq_chunks": 1, "db.num_neighbours": 1, "db.key_length": 4, "db.max_docs": 0})
+  config_checks.one_of(config, {"model.dtype": ("float32", "bfloat16")})
+  config_checks.below(config, "model.num_neighbours", "db.num_neighbours")
+  unknown = [m for m in config.models if m not in MODELS]
+  if unknown or not config.models:
+    raise ValueError(f"--config.models={tuple(config.models)!r}: name one or both of {MODELS}.")
+  if config.model.hidden_size % config.model.num_heads:
+    raise ValueError(f"--config.model.hidden_size={config.model.hidden_size} is not divisible by "
+                     f"--config.model.num_heads={config.model.num_heads}.")
+  length = config.db.chunk_length * config.db.seq_chunks
+  if config.init == "random" and length > config.model.max_length:
+    raise ValueError(f"Sequences of --config.db.seq_chunks={config.db.seq_chunks} chunks of "
+                     f"--config.db.chunk_length={config.db.chunk_length} tokens ({length}) are "
+                     f"longer than --config.model.max_length={config.model.max_length}.")
+  if config.freeze_decoder and config.init == "random":
+    raise ValueError("--config.freeze_decoder=True needs trained decoder weights: set "
+                     "--config.init to a Hugging Face GPT-2 directory (RETROfitting).")
+
+
+def model_config(config, db: RetroDb, retrieval: bool) -> RetroConfig:
+  """The decoder of a run: config.model's shapes (or the GPT-2 checkpoint's, RETROfitting), the
+  database's tokens and chunks; no CCA for the baseline."""
+  c = config.model
+  fields = dict(num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
+                mlp_size=c.mlp_size, max_length=c.max_length, vocab_size=db.tokenizer.vocab_size)
+  if config.init != "random":
+    from realm_jax.checkpoints import gpt2
+    fields.update(gpt2.decoder_settings(config.init, flag="--config.init"))
+    if fields["vocab_size"] != db.tokenizer.vocab_size:
+      raise ValueError(
+          f"--config.init={config.init} has a vocabulary of {fields['vocab_size']} tokens, but the "
+          f"chunk database's tokenizer ({db.tokenizer.name}) has {db.tokenizer.vocab_size}: build "
+          f"the database with --config.db.tokenizer_file={config.init}/tokenizer.json.")
+  length = db.chunk_length * db.seq_chunks
+  if length > fields["max_length"]:
+    raise ValueError(f"The database's sequences ({length} tokens) are longer than the decoder's "
+                     f"context ({fields['max_length']}): lower --config.db.seq_chunks.")
+  layers = tuple(c.cca_layers) or cca_layers(fields["num_layers"], c.cca_start, c.cca_every)
+  return RetroConfig(**fields, chunk_length=db.chunk_length,
+                     cca_layers=layers if retrieval else (), encoder_layers=c.encoder_layers,
+                     num_neighbours=c.num_neighbours, pad_id=db.tokenizer.pad_id,
+                     dropout=c.dropout, dtype=c.dtype, remat=c.remat)
+
+
+def decay_mask(params):
+  """Weight decay on kernels and embeddings; not on biases, LayerNorms, position-bias tables."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], "key", "") in ("kernel", "embedding"), params)
+
+
+def trainable(params, freeze_decoder: bool):
+  """"train" / "frozen" per parameter: frozen = the GPT-2 decoder when RETROfitting."""
+  from realm_jax.checkpoints.gpt2 import is_decoder_param
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "frozen" if freeze_decoder and is_decoder_param(path) else "train", params)
+
+
+def optimizer(config, params) -> tuple[optax.Schedule, optax.GradientTransformation]:
+  warmup = (min(10_000, max(100, config.num_steps // 10)) if config.warmup_steps < 0
+            else config.warmup_steps)
+  warmup = min(warmup, config.num_steps - 1)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, max(warmup, 1),
+                                                config.num_steps, config.learning_rate * 0.1)
+  adamw = optax.chain(optax.clip_by_global_norm(config.clip_norm),
+                      optax.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8,
+                                  weight_decay=config.weight_decay, mask=decay_mask))
+  tx = optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()},
+                             trainable(params, config.freeze_decoder))
+  return schedule, tx
+
+
+def sequence_loss(module: RetroModel, params, batch: dict, retrieval: bool,
+                  dropout_rng=None) -> tuple[jax.Array, dict]:
+  """(mean next-token loss over scored targets, summed statistics) of a batch: nats (`nll`),
+  scored tokens, and the bytes those tokens stand for (`bytes`: bits per byte = nll / ln 2 /
+  bytes)."""
+  rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
+  logits = module.apply({"params": params}, batch["inputs"],
+                        batch["neighbours"] if retrieval else None,
+                        deterministic=dropout_rng is None, rngs=rngs)
+  nll = token_nll(logits, batch["targets"]) * batch["loss_mask"]
+  tokens = batch["loss_mask"].sum()
+  stats = {"nll": nll.sum(), "tokens": tokens, "bytes": batch["target_bytes"].sum()}
+  return nll.sum() / jnp.maximum(tokens, 1.0), stats
+
+
+class RetroTrainer(loop.TrainLoop):
+  """One decoder (RETRO, or the baseline with `retrieval=False`) trained on the database's train
+  sequences; held-out evaluation on the first config.eval_sequences held-out sequences."""
+
+  name = "retro"
+  progress = {"loss": ("loss", ".3f"), "bpb": ("bits_per_byte", ".3f")}
+
+  def __init__(self, config, workdir: str, db: RetroDb, retrieval: bool):
+    super().__init__(config, workdir)
+    self.name = "retro" if retrieval else "baseline"
+    self.db, self.retrieval = db, retrieval
+    loop.check_workdir_config(config, workdir, FIXED_SETTINGS)
+    self.model_config = model_config(config, db, retrieval)
+    self.module = RetroModel(self.model_config)
+    params = self._initial_params()
+    self.schedule, tx = optimizer(config, params)
+    k = self.model_config.num_neighbours
+    self.data_iterator = retro_batches(db, "train", batch_size=self.host_batch, seed=config.seed,
+                                       num_neighbours=k, shard_index=jax.process_index(),
+                                       shard_count=jax.process_count())
+    self.heldout = [b for b in retro_batches(
+        db, "heldout", batch_size=self.host_batch, seed=0, shuffle=False, num_epochs=1,
+        num_neighbours=k, limit=config.eval_sequences)]
+    if not self.heldout:
+      raise ValueError(f"The chunk database in {db.directory} has no held-out sequences: raise "
+                       "--config.db.heldout_percent.")
+    module, retrieval = self.module, retrieval
+    self.eval_fn = self.jit_eval(lambda p, b: sequence_loss(module, p, b, retrieval)[1])
+    if retrieval:
+      self.eval_off = self.jit_eval(lambda p, b: sequence_loss(module, p, b, False)[1])
+
+    def step(state, batch, rng):
+      def loss_fn(p, dropout_rng):
+        loss, stats = sequence_loss(module, p, batch, retrieval, dropout_rng)
+        return loss, {"loss": loss, "bits_per_byte": stats["nll"] / LN2 / stats["bytes"]}
+      return loss_step(state, loss_fn, rng, dropout=config.model.dropout > 0)
+
+    self.start(params, tx, step)
+
+  def _initial_params(self):
+    c, m = self.config, self.model_config
+    length = self.db.chunk_length * self.db.seq_chunks
+    tokens = jnp.zeros((1, length), jnp.int32)
+    neighbours = (jnp.zeros((1, self.db.seq_chunks, m.num_neighbours, 2 * m.chunk_length),
+                            jnp.int32) if self.retrieval else None)
+    params = jax.jit(lambda key: self.module.init(key, tokens, neighbours)["params"])(
+        jax.random.key(c.seed))
+    if c.init != "random":
+      from realm_jax.checkpoints import gpt2
+      params = gpt2.retrofit(params, gpt2.load_decoder(c.init, flag="--config.init"),
+                             flag="--config.init")
+    return params
+
+  def next_batch(self):
+    return self.put(next(self.data_iterator))
+
+  def train_metrics(self, step):
+    return {"learning_rate": float(self.schedule(step))}
+
+  def _bpb(self, fn) -> dict[str, float]:
+    sums = None
+    for batch in self.heldout:
+      out = jax.device_get(fn(self.state.params, self.put(batch)))
+      sums = out if sums is None else jax.tree.map(np.add, sums, out)
+    return {"loss": float(sums["nll"] / sums["tokens"]),
+            "bits_per_byte": float(sums["nll"] / LN2 / sums["bytes"])}
+
+  def evaluate(self):
+    metrics = self._bpb(self.eval_fn)
+    if self.retrieval:
+      off = self._bpb(self.eval_off)
+      metrics.update(loss_no_neighbours=off["loss"], bits_per_byte_no_neighbours=off["bits_per_byte"])
+    return metrics
+
+  def finish(self, last_eval, trained):
+    export = os.path.join(self.workdir, "export")
+    if jax.process_index() == 0 and (trained or not os.path.exists(export)):
+      retro_export.save(export, self.model_config, jax.device_get(self.state.params), {
+          "step": int(self.state.step), "tokenizer": self.db.tokenizer.name,
+          "key_fingerprint": self.db.manifest["key_fingerprint"],
+          "db_fingerprint": self.db.manifest["fingerprint"], "retrieval": self.retrieval})
+      logging.info("Exported the %s decoder to %s", self.name, export)
+    return last_eval
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+  """The database, then each of config.models trained to config.num_steps (resuming), then the
+  held-out evaluation of them all; returns the evaluation report."""
+  from realm_jax.eval import retro as retro_eval
+  check_settings(config, workdir)
+  with workdir_lock.hold(workdir):  # one writer of the database and the report
+    db = build_database(config.db, database_dir(config, workdir))
+    for name in config.models:
+      loop.train(lambda c, w, n=name: RetroTrainer(c, w, db, retrieval=n == "retro"), config,
+                 os.path.join(workdir, name))
+    exports = {name: os.path.join(workdir, name, "export") for name in config.models}
+    return retro_eval.evaluate_exports(exports, db, workdir, batch_size=config.batch_size)
+
+
+def summary(report: dict, workdir: str) -> str:
+  """The lines retro_train.py prints at its end."""
+  from realm_jax.eval import retro as retro_eval
+  return (retro_eval.markdown(report) + f"\nWritten to {os.path.join(workdir, 'eval.md')}, "
+          f"eval.json and bpb.png.")

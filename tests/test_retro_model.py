@@ -1,0 +1,156 @@
+"""realm_jax/models/retro.py: chunked cross-attention against a plain per-token loop written
+here, causality of the whole model, retrieval switched off, remat and bfloat16."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from realm_jax.models.retro import (ChunkedCrossAttention, RetroConfig, RetroModel, cca_layers,
+                                    token_nll)
+
+M, C, K, H, N = 4, 3, 2, 16, 2   # chunk length, chunks, neighbours, width, heads
+R, L = 2 * M, C * M
+
+
+def _config(**kw):
+  base = dict(vocab_size=41, num_layers=3, hidden_size=H, num_heads=N, mlp_size=32, max_length=32,
+              chunk_length=M, cca_layers=(2, 3), encoder_layers=2, num_neighbours=K, pad_id=0)
+  return RetroConfig(**{**base, **kw})
+
+
+def _randomize(params, seed=0):
+  """Every parameter random (relative-position tables start at zero: make them matter)."""
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(tree, [0.3 * jax.random.normal(k, x.shape) for k, x in
+                                   zip(keys, leaves)])
+
+
+def _naive_cca(p, x, enc, mask):
+  """CCA token by token: t >= m - 1 reads the neighbours of chunk (t - m + 1) // m, with the
+  bias of the offset (key place in its neighbour) - (query place in its attending chunk)."""
+  x, enc, mask = (np.asarray(a, np.float64) for a in (x, enc, mask))
+  a, table = p["attn"], np.asarray(p["bias"]["table"], np.float64)
+  w = lambda name: (np.asarray(a[name]["kernel"], np.float64), np.asarray(a[name]["bias"]))
+  (wq, bq), (wkv, bkv), (wo, bo) = w("query"), w("key_value"), w("out")
+  dh = H // N
+  out = np.zeros_like(x)
+  for b in range(x.shape[0]):
+    for t in range(M - 1, L):
+      u, i = divmod(t - (M - 1), M)
+      q = (x[b, t] @ wq + bq).reshape(N, dh)
+      ctx = np.zeros((N, dh))
+      for n in range(N):
+        scores, values = [], []
+        for j in range(K):
+          for pos in range(R):
+            if not mask[b, u, j, pos]:
+              continue
+            kv = enc[b, u, j, pos] @ wkv + bkv
+            key, value = kv[:H].reshape(N, dh)[n], kv[H:].reshape(N, dh)[n]
+            offset = int(np.clip(pos - i, -(M - 1), R - 1))
+            scores.append(q[n] @ key / np.sqrt(dh) + table[offset + M - 1, n])
+            values.append(value)
+        if scores:
+          s = np.exp(np.array(scores) - max(scores))
+          ctx[n] = (s / s.sum()) @ np.array(values)
+      out[b, t] = ctx.reshape(H) @ wo + bo if mask[b, u].any() else 0.0
+  return out
+
+
+def test_cca_equals_a_plain_per_token_loop():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, L, H)).astype(np.float32)
+  enc = rng.normal(size=(2, C, K, R, H)).astype(np.float32)
+  mask = rng.random((2, C, K, R)) > 0.3
+  mask[1, 1] = False          # a chunk without neighbours: its tokens get nothing
+  cca = ChunkedCrossAttention(_config())
+  params = _randomize(cca.init(jax.random.key(0), x, enc, mask)["params"])
+  got = np.asarray(cca.apply({"params": params}, x, enc, mask))
+  want = _naive_cca(params, x, enc, mask)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  assert np.abs(want[:, M - 1:]).max() > 0.1 and not got[:, :M - 1].any()
+  assert not got[1, M - 1 + M:M - 1 + 2 * M].any()   # chunk 1's attending chunk: no neighbours
+
+
+@pytest.fixture(scope="module")
+def model():
+  config = _config()
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(1, 41, (2, L))
+  neighbours = rng.integers(1, 41, (2, C, K, R))
+  module = RetroModel(config)
+  params = _randomize(module.init(jax.random.key(0), tokens, neighbours)["params"], seed=1)
+  apply = jax.jit(lambda p, t, n: module.apply({"params": p}, t, n))
+  return params, tokens, neighbours, apply
+
+
+def test_neighbours_of_chunk_u_change_no_logit_before_its_last_token(model):
+  params, tokens, neighbours, apply = model
+  base = np.asarray(apply(params, tokens, neighbours))
+  for u in range(C):
+    changed = neighbours.copy()
+    changed[:, u] = (changed[:, u] % 40) + 1
+    got = np.asarray(apply(params, tokens, changed))
+    first = u * M + M - 1
+    np.testing.assert_allclose(got[:, :first], base[:, :first], atol=1e-6)
+    assert np.abs(got[:, first:] - base[:, first:]).max() > 1e-3  # and they do count after
+
+
+def test_a_token_never_changes_an_earlier_logit(model):
+  params, tokens, neighbours, apply = model
+  base = np.asarray(apply(params, tokens, neighbours))
+  for t in (0, M - 1, M, L - 1):
+    changed = tokens.copy()
+    changed[:, t] = (changed[:, t] % 40) + 1
+    got = np.asarray(apply(params, changed, neighbours))
+    np.testing.assert_allclose(got[:, :t], base[:, :t], atol=1e-6)
+    assert np.abs(got[:, t:] - base[:, t:]).max() > 1e-3
+
+
+def test_without_neighbours_the_model_is_its_baseline_decoder(model):
+  params, tokens, neighbours, apply = model
+  baseline = RetroModel(_config(cca_layers=()))
+  decoder = {k: {n: v for n, v in p.items() if n not in ("cca", "ln_cca", "encoder")}
+             if k.startswith("h_") else p for k, p in params.items()}
+  want = baseline.apply({"params": decoder}, tokens)
+  np.testing.assert_allclose(np.asarray(apply(params, tokens, None)), np.asarray(want), atol=1e-6)
+  # Neighbours that are all padding are no neighbours.
+  np.testing.assert_allclose(np.asarray(apply(params, tokens, np.zeros_like(neighbours))),
+                             np.asarray(want), atol=1e-6)
+
+
+def test_remat_gives_the_same_loss_and_gradients_and_bfloat16_stays_close(model):
+  params, tokens, neighbours, _ = model
+  targets = np.roll(tokens, -1, axis=1)
+
+  def loss(config):
+    module = RetroModel(config)
+    return jax.jit(jax.value_and_grad(lambda p: token_nll(
+        module.apply({"params": p}, tokens, neighbours), targets).mean()))(params)
+
+  (l0, g0), (l1, g1) = loss(_config()), loss(_config(remat=True))
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  l2, g2 = loss(_config(dtype="bfloat16"))
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(g2))
+  assert abs(float(l2) - float(l0)) < 0.05 * float(l0)
+
+
+def test_token_nll_and_the_papers_cca_layers():
+  logits = jnp.log(jnp.array([[0.5, 0.25, 0.25]]))
+  np.testing.assert_allclose(token_nll(logits, jnp.array([1])), [np.log(4)], rtol=1e-6)
+  assert cca_layers(12) == (6, 9, 12) and cca_layers(32) == tuple(range(6, 33, 3))
+  assert cca_layers(4) == (4,)
+
+
+def test_bad_shapes_are_refused():
+  with pytest.raises(ValueError, match="outside the decoder's layers"):
+    _config(cca_layers=(4,))
+  module = RetroModel(_config())
+  with pytest.raises(ValueError, match="longer than the model's context"):
+    module.init(jax.random.key(0), np.ones((1, 36), np.int32))
+  with pytest.raises(ValueError, match="multiple of the chunk length"):
+    module.init(jax.random.key(0), np.ones((1, 10), np.int32), np.ones((1, 2, K, R), np.int32))
