@@ -16,7 +16,8 @@ from conftest import NQ_OPEN, ROOT, one_device_env
 CONFIGS = {"pretrain": "realm_jax/configs/pretrain.py:tiny", "ict": "realm_jax/configs/ict.py:tiny",
            "build_index": "realm_jax/configs/build_index.py:tiny",
            "finetune": "realm_jax/configs/finetune.py:tiny",
-           "search_demo": "realm_jax/configs/build_index.py:tiny"}
+           "search_demo": "realm_jax/configs/build_index.py:tiny",
+           "retro_train": "realm_jax/configs/retro.py:tiny"}
 MISSING = "/nonexistent/weights"
 
 
@@ -32,8 +33,10 @@ def _cases(files):
                "ict": ["--config.init=bert", f"--config.bert_weights={MISSING}"],
                "build_index": [f"--config.weights={MISSING}"],
                "search_demo": [f"--config.weights={MISSING}"],
-               "finetune": [f"--config.reader_weights={MISSING}"]}[job]
-    jsonl = "--config.retrieval.corpus" if job == "finetune" else "--config.corpus"
+               "finetune": [f"--config.reader_weights={MISSING}"],
+               "retro_train": [f"--config.db.key_weights={MISSING}"]}[job]
+    jsonl = {"finetune": "--config.retrieval.corpus", "retro_train": "--config.db"}.get(
+        job, "--config.corpus")
     cases += [
         (f"{job}-misspelt-key", job, [*base, "--config.batch_sise=3"], ["--config.batch_sise", "batch_size"]),
         (f"{job}-missing-flagfile", job, ["--flagfile=no/such.flags"], ["--flagfile=no/such.flags"]),
@@ -52,7 +55,7 @@ def _cases(files):
           (f"{job}-batch-negative", job, [*base, "--config.batch_size=-1"],
            ["--config.batch_size=-1", "at least"]),
       ]
-    if job in ("pretrain", "ict", "finetune"):
+    if job in ("pretrain", "ict", "finetune", "retro_train"):
       cases += [
           (f"{job}-steps-0", job, [*base, "--config.num_steps=0"], ["--config.num_steps=0", "at least 1"]),
           (f"{job}-steps-negative", job, [*base, "--config.num_steps=-5"], ["--config.num_steps=-5"]),
@@ -92,6 +95,18 @@ def _cases(files):
        ["--config=realm_jax/configs/pretrain.py:nope"], ["nope"]),
       ("memory_estimate-no-devices", "memory_estimate",
        ["--config=realm_jax/configs/pretrain.py:demo"], ["--devices"]),
+      ("retro_train-k-above-db", "retro_train", ["--config=" + CONFIGS["retro_train"],
+                                                 "--workdir={W}", "--config.model.num_neighbours=3"],
+       ["--config.model.num_neighbours=3", "--config.db.num_neighbours=2"]),
+      ("retro_train-frozen-random-decoder", "retro_train",
+       ["--config=" + CONFIGS["retro_train"], "--workdir={W}", "--config.freeze_decoder=True"],
+       ["--config.freeze_decoder=True", "--config.init"]),
+      ("retro_train-unknown-model", "retro_train", ["--config=" + CONFIGS["retro_train"],
+                                                    "--workdir={W}", "--config.models=('gpt',)"],
+       ["--config.models=('gpt',)", "baseline"]),
+      ("retro_sample-no-model", "retro_sample", ["--prompt=The Nile"], ["--workdir", "--model"]),
+      ("retro_eval-empty-workdir", "retro_eval", ["--workdir={W}"],
+       ["--workdir={W}", "no trained model", "retro_train.py"]),
   ]
   return cases
 

@@ -57,6 +57,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.model.cca_start = 6
   c.model.cca_every = 3
   c.model.encoder_layers = 2
+  c.model.encoder_size = 0         # the neighbour encoder's width (0: hidden_size)
   c.model.num_neighbours = 2       # k read by the model (<= config.db.num_neighbours)
   c.model.dropout = 0.0
   c.model.dtype = "float32"        # compute: float32 | bfloat16 (parameters stay float32)
@@ -86,12 +87,12 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   if arg == "demo":
     c.db.seq_chunks = 4            # 256-token sequences: the summaries are ~100 tokens each
     c.db.key_length = 80
-    c.model.update(num_layers=4, hidden_size=256, num_heads=4, mlp_size=1024, max_length=256,
-                   cca_layers=(2, 4), encoder_layers=2)
+    c.model.update(num_layers=4, hidden_size=128, num_heads=2, mlp_size=512, max_length=256,
+                   cca_layers=(2, 4), encoder_layers=2, encoder_size=128)
     c.batch_size = 8
-    c.num_steps = 150
-    c.learning_rate = 1e-3
-    c.warmup_steps = 15
+    c.num_steps = 100
+    c.learning_rate = 2e-3
+    c.warmup_steps = 10
     c.log_every = 10
     c.eval_every = 50
     c.eval_sequences = 32
@@ -117,7 +118,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     layers, width, heads, ffw = PAPER_SHAPES[shape]
     c.db.update(source="tfds_wikipedia", seq_chunks=32, searcher="scann")
     c.model.update(num_layers=layers, hidden_size=width, num_heads=heads, mlp_size=ffw,
-                   max_length=2048, dtype="bfloat16", remat=True)
+                   max_length=2048, encoder_size=896, dtype="bfloat16", remat=True)
     c.batch_size = 256
     c.num_steps = 100_000
     c.learning_rate = 2e-4

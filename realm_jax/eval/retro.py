@@ -162,7 +162,7 @@ def markdown(report: dict) -> str:
     lines.append(f"| {label} | {m['bits_per_byte']:.4f} | {m['se']:.4f} | {m['perplexity']:.1f} |")
   lines += ["", "| difference (paired over documents) | bits per byte | ± s.e. |", "| --- | --- | --- |"]
   for label, d in report["differences"].items():
-    lines.append(f"| {label} | {d['bits_per_byte']:+.4f} | {d['se']:.4f} |")
+    lines.append(f"| {label} | {d['bits_per_byte']:+.5f} | {d['se']:.5f} |")
   labels = list(report["models"])
   lines += ["", "Bits per byte by the 8-gram overlap of the predicted tokens with the neighbours "
             "they read:", "", "| overlap | tokens | " + " | ".join(labels) + " |",

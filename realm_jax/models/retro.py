@@ -42,6 +42,7 @@ class RetroConfig:
   chunk_length: int = 64
   cca_layers: tuple[int, ...] = ()
   encoder_layers: int = 2
+  encoder_size: int = 0          # the neighbour encoder's width (0: hidden_size); paper: 896
   num_neighbours: int = 2
   pad_id: int = 0
   layer_norm_eps: float = 1e-5
@@ -54,13 +55,18 @@ class RetroConfig:
     bad = [l for l in self.cca_layers if not 1 <= l <= self.num_layers]
     if bad:
       raise ValueError(f"CCA layers {bad} are outside the decoder's layers 1..{self.num_layers}.")
-    if self.hidden_size % self.num_heads:
-      raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads "
-                       f"{self.num_heads}.")
+    for name in ("hidden_size", "encoder_width"):
+      if getattr(self, name) % self.num_heads:
+        raise ValueError(f"{name} {getattr(self, name)} is not divisible by num_heads "
+                         f"{self.num_heads}.")
 
   @property
   def compute_dtype(self):
     return jnp.dtype(self.dtype)
+
+  @property
+  def encoder_width(self) -> int:
+    return self.encoder_size or self.hidden_size
 
   @property
   def retrieval(self) -> bool:
@@ -141,29 +147,35 @@ class CausalSelfAttention(nn.Module):
 
 
 class Mlp(nn.Module):
+  """GPT-2's feed-forward block (`width` 0: the decoder's, mlp_size wide; else width -> 4 width)."""
   config: RetroConfig
+  width: int = 0
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
     c = self.config
-    out = _dense(c, c.hidden_size, "c_proj")(_gelu(_dense(c, c.mlp_size, "c_fc")(x)))
+    width, inner = (self.width, 4 * self.width) if self.width else (c.hidden_size, c.mlp_size)
+    out = _dense(c, width, "c_proj")(_gelu(_dense(c, inner, "c_fc")(x)))
     return nn.Dropout(c.dropout)(out, deterministic=deterministic)
 
 
 class CrossAttention(nn.Module):
   """Queries from x [..., Q, H], keys and values from `memory` [..., K, H], a key mask [..., K]
-  and a relative bias [N, Q, K]. A query whose keys are all masked gets 0."""
+  and a relative bias [N, Q, K], projected to `width`; the output has x's width. A query whose
+  keys are all masked gets 0."""
   config: RetroConfig
+  width: int
 
   @nn.compact
   def __call__(self, x: Array, memory: Array, key_mask: Array, bias: Array) -> Array:
     c = self.config
-    q = _heads(_dense(c, c.hidden_size, "query")(x), c.num_heads)
-    k, v = jnp.split(_dense(c, 2 * c.hidden_size, "key_value")(memory), 2, axis=-1)
+    q = _heads(_dense(c, self.width, "query")(x), c.num_heads)
+    k, v = jnp.split(_dense(c, 2 * self.width, "key_value")(memory), 2, axis=-1)
     k, v = _heads(k, c.num_heads), _heads(v, c.num_heads)
     mask = key_mask[..., None, None, :]                               # [..., 1, 1, K]
     ctx = _merge(_attend(q, k, v, bias + jnp.where(mask, 0.0, _NEG)))    # [..., Q, H]
-    return jnp.where(key_mask.any(-1)[..., None, None], _dense(c, c.hidden_size, "out")(ctx), 0)
+    out = _dense(c, x.shape[-1], "out")(ctx)
+    return jnp.where(key_mask.any(-1)[..., None, None], out, 0)
 
 
 class EncoderLayer(nn.Module):
@@ -179,14 +191,15 @@ class EncoderLayer(nn.Module):
     pos_r, pos_m = jnp.arange(r), jnp.arange(m)
     self_bias = RelativeBias(c.num_heads, r - 1, r - 1, name="self_bias")(pos_r, pos_r)
     h = _layer_norm(c, "ln_1")(x).astype(x.dtype)
-    x = x + CrossAttention(c, name="self_attn")(h, h, mask, self_bias)
+    w = c.encoder_width
+    x = x + CrossAttention(c, w, name="self_attn")(h, h, mask, self_bias)
     # The chunk's keys and values are computed once and shared by its K neighbours.
     cross_bias = RelativeBias(c.num_heads, r - 1, m - 1, name="cross_bias")(pos_r, pos_m)
     chunk = _layer_norm(c, "ln_chunk")(chunk).astype(x.dtype)[:, :, None]   # [B, C, 1, m, H]
     h = _layer_norm(c, "ln_2")(x).astype(x.dtype)
-    x = x + CrossAttention(c, name="cross_attn")(h, chunk, jnp.ones(chunk.shape[:-1], bool),
+    x = x + CrossAttention(c, w, name="cross_attn")(h, chunk, jnp.ones(chunk.shape[:-1], bool),
                                                  cross_bias)
-    return x + Mlp(c, name="mlp")(_layer_norm(c, "ln_3")(x).astype(x.dtype), deterministic)
+    return x + Mlp(c, w, name="mlp")(_layer_norm(c, "ln_3")(x).astype(x.dtype), deterministic)
 
 
 class NeighbourEncoder(nn.Module):
@@ -200,6 +213,8 @@ class NeighbourEncoder(nn.Module):
     chunks [B, C, m, H] (decoder activations of each retrieving chunk)."""
     c = self.config
     x = embedded
+    if c.encoder_width != c.hidden_size:
+      x = _dense(c, c.encoder_width, "project")(x)
     layer = nn.remat(EncoderLayer, static_argnums=(4,)) if c.remat else EncoderLayer
     for i in range(c.encoder_layers):
       x = layer(c, name=f"layer_{i}")(x, mask, chunks, deterministic)
@@ -220,12 +235,12 @@ class ChunkedCrossAttention(nn.Module):
     # Attending chunks: drop the first m - 1 tokens, pad the end back to C whole chunks.
     shifted = jnp.pad(x[:, m - 1:], ((0, 0), (0, m - 1), (0, 0)))
     queries = shifted.reshape(b, num_chunks, m, h)                     # [B, C, m, H]
-    memory = encoded.reshape(b, num_chunks, k * r, h)                  # [B, C, K*R, H]
+    memory = encoded.reshape(b, num_chunks, k * r, -1)                 # [B, C, K*R, He]
     # Offsets within a neighbour (its token j against the query's place i in its chunk),
     # the same for each of the K neighbours laid side by side.
     bias = RelativeBias(c.num_heads, m - 1, r - 1, name="bias")(jnp.arange(m), jnp.arange(r))
     bias = jnp.tile(bias, (1, 1, k))                                   # [N, m, K*R]
-    out = CrossAttention(c, name="attn")(queries, memory, mask.reshape(b, num_chunks, k * r),
+    out = CrossAttention(c, c.hidden_size, name="attn")(queries, memory, mask.reshape(b, num_chunks, k * r),
                                          bias)                         # [B, C, m, H]
     out = out.reshape(b, num_chunks * m, h)[:, :length - (m - 1)]
     out = jnp.pad(out, ((0, 0), (m - 1, 0), (0, 0)))

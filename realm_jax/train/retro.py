@@ -93,6 +93,7 @@ def model_config(config, db: RetroDb, retrieval: bool) -> RetroConfig:
   layers = tuple(c.cca_layers) or cca_layers(fields["num_layers"], c.cca_start, c.cca_every)
   return RetroConfig(**fields, chunk_length=db.chunk_length,
                      cca_layers=layers if retrieval else (), encoder_layers=c.encoder_layers,
+                     encoder_size=c.encoder_size if retrieval else 0,
                      num_neighbours=c.num_neighbours, pad_id=db.tokenizer.pad_id,
                      dropout=c.dropout, dtype=c.dtype, remat=c.remat)
 

@@ -1,0 +1,377 @@
+"""RETRO training, evaluation and sampling end to end on the tiny config: the sharded step equals a
+plain one-device loop; a SIGKILLed run resumes to bit-identical parameters; eval.json equals a
+hand recomputation over every held-out sequence; greedy sampling equals a plain loop with a
+brute-force search; user mistakes end in one `error:` line; the Colab notebook trains, reports,
+plots and samples.
+
+The tiny chunk database is built once (~5 s) and every run here reads it; one tiny run of both
+decoders (`trained`, ~30 s) serves the tests marked slow.
+"""
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import ROOT, one_device_env
+
+from realm_jax.checkpoints import retro_export
+from realm_jax.configs.retro import get_config
+from realm_jax.data.retro_batches import retro_batches
+from realm_jax.eval import retro as retro_eval
+from realm_jax.models.retro import RetroModel, token_nll
+from realm_jax.retrieval.chunk_db import build_database
+from realm_jax.systems.retro_lm import RetroLm
+from realm_jax.train.retro import RetroTrainer, optimizer, sequence_loss
+
+NOTEBOOK = os.path.join(ROOT, "experiments", "colab", "retro_demo.ipynb")
+CONFIG = "--config=realm_jax/configs/retro.py:tiny"
+# The runs here: 6 steps, a checkpoint every 2, a metrics row every step (to kill after it).
+STEPS = ("--config.num_steps=6", "--config.checkpoint_every=2", "--config.log_every=1")
+LN2 = math.log(2.0)
+
+
+def start(script, *args, log=None):
+  """experiments/<script>.py as a user runs it (one device); output to `log` (a file) or piped."""
+  out = open(log, "w") if log else subprocess.PIPE
+  return subprocess.Popen([sys.executable, os.path.join("experiments", f"{script}.py"), *args],
+                          cwd=ROOT, env=one_device_env(), stdout=out, stderr=subprocess.STDOUT,
+                          text=True)
+
+
+def run(script, *args):
+  """(exit status, stdout and stderr together) of experiments/<script>.py."""
+  proc = start(script, *args)
+  out, _ = proc.communicate(timeout=600)
+  return proc.returncode, out
+
+
+def train_steps(run_dir):
+  """Steps of the train rows of a run's metrics.jsonl so far."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return [r["step"] for r in rows if r["split"] == "train"]
+
+
+def complete_checkpoints(run_dir):
+  root = os.path.join(run_dir, "checkpoints")
+  return sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
+
+
+def export_arrays(export):
+  from safetensors.numpy import load_file
+  return load_file(os.path.join(export, retro_export.PARAMS))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+  """A fresh work directory whose db/ is the tiny chunk database."""
+  from realm_jax.checkpoints import minilm_dir
+  try:
+    minilm_dir()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  return str(tmp_path_factory.mktemp("retro") / "work")
+
+
+@pytest.fixture(scope="module")
+def db(work):
+  return build_database(get_config("tiny").db, os.path.join(work, "db"))
+
+
+@pytest.fixture(scope="module")
+def trained(work, db):
+  """The RETRO and baseline decoders trained 6 steps on the database above, then evaluated."""
+  del db  # built in <work>/db, where the run looks first (config.db.dir left empty)
+  code, out = run("retro_train", CONFIG, f"--workdir={work}", *STEPS)
+  assert code == 0, out[-3000:]
+  return work
+
+
+# ------------------------------------------------------------------------------------ training
+@pytest.mark.slow
+@pytest.mark.parametrize("retrieval", [True, False], ids=["retro", "baseline"])
+def test_sharded_step_equals_one_device(db, tmp_path, retrieval):
+  """The trainer's steps over the 8 fake devices (a batch of 8: one sequence a device) end with
+  the parameters of a plain one-device loop over the same batches."""
+  config = get_config("tiny")
+  config.num_steps, config.eval_every = 2, 0
+  trainer = RetroTrainer(config, str(tmp_path / "run"), db, retrieval=retrieval)
+  assert len(trainer.mesh.devices.flat) == 8
+  initial = params = jax.device_get(trainer.state.params)
+  module = trainer.module
+  trainer.run()
+  got = jax.device_get(trainer.state.params)
+
+  _, tx = optimizer(config, params)
+  opt_state = tx.init(params)
+  grad = jax.jit(jax.grad(lambda p, b: sequence_loss(module, p, b, retrieval)[0]))
+  update = jax.jit(tx.update)
+  batches = retro_batches(db, "train", batch_size=config.batch_size, seed=config.seed,
+                          num_neighbours=module.config.num_neighbours)
+  for _ in range(config.num_steps):
+    grads = grad(params, next(batches))
+    updates, opt_state = update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  assert jax.tree.structure(got) == jax.tree.structure(params)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  # (The first step's learning rate is 0: the second moved the parameters.)
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got),
+                                                      jax.tree.leaves(initial)))
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_bit_identical_parameters(tmp_path, db, trained):
+  workdir = str(tmp_path / "killed")
+  run_dir = os.path.join(workdir, "retro")
+  args = (CONFIG, f"--workdir={workdir}", *STEPS, f"--config.db.dir={db.directory}",
+          "--config.models=('retro',)")
+  kill_after = random.Random().randint(1, 5)  # a random step of the 6
+  proc = start("retro_train", *args, log=str(tmp_path / "killed.log"))
+  deadline = time.time() + 300
+  while not any(s >= kill_after for s in train_steps(run_dir)):
+    assert proc.poll() is None, open(tmp_path / "killed.log").read()[-3000:]
+    assert time.time() < deadline
+    time.sleep(0.01)
+  # Checkpoints are written asynchronously: one complete before the kill must be restored.
+  saved = complete_checkpoints(run_dir)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert not os.path.exists(os.path.join(run_dir, "export")), "the run ended before the kill"
+  code, out = run("retro_train", *args)
+  assert code == 0, out[-3000:]
+  if saved:  # (a later one may have completed between the look and the kill)
+    restored = [int(s) for s in re.findall(r"Restored step (\d+)", out)]
+    assert restored and restored[0] >= max(saved), (saved, out[-3000:])
+  got = export_arrays(os.path.join(run_dir, "export"))
+  want = export_arrays(os.path.join(trained, "retro", "export"))
+  assert sorted(got) == sorted(want)
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} (killed after step "
+                                  f"{kill_after}, checkpoints {saved})")
+
+
+# ---------------------------------------------------------------------------------- evaluation
+def test_ratio_and_its_standard_error_by_hand():
+  num, den = np.array([1.0, 2.0, 3.0]), np.array([2.0, 2.0, 4.0])
+  # r = 6 / 8; residuals num - r den = (-0.5, 0.5, 0); se = sqrt(3/2 * 0.5) / 8
+  r, se = retro_eval.ratio_se(num, den)
+  assert r == pytest.approx(0.75) and se == pytest.approx(math.sqrt(0.75) / 8)
+  r, se = retro_eval.ratio_se(np.array([3.0]), np.array([4.0]))
+  assert r == 0.75 and math.isnan(se)
+
+
+def test_ngram_overlap_and_buckets_by_hand():
+  pad, targets = 0, np.arange(100, 116)                               # 16 targets
+  neighbours = np.array([[7, *targets[2:10], 8, pad, pad],            # one 8-gram: 2 .. 9
+                         [*targets[3:11], 9, 9, 9, pad]])             # another: 3 .. 10
+  assert retro_eval.ngram_overlap(targets, neighbours[:1], pad) == 8 / 16
+  assert retro_eval.ngram_overlap(targets, neighbours, pad) == 9 / 16
+  assert retro_eval.ngram_overlap(targets, np.array([[*targets[:7], 5, targets[7]]]), pad) == 0.0
+  assert retro_eval.ngram_overlap(targets[:7], np.array([targets[:7]]), pad) == 0.0  # T < 8
+  # Padding is no text: padded targets (the end of the stream) match no padded neighbour.
+  assert retro_eval.ngram_overlap(np.full(16, pad), np.full((2, 32), pad), pad) == 0.0
+  # A sequence of 48 tokens, chunks of m = 16: the first 15 read nothing; chunk v's neighbours are
+  # read by targets 15 + 16 v .. 30 + 16 v (the last attending chunk has one target).
+  m, seq = 16, np.arange(1000, 1048)
+  absent = np.full((2, 2 * m), 5)
+  nb = np.stack([absent, absent, absent])                             # [C, K, R]
+  nb[0, 1, :9] = seq[15:24]                                           # 9 of 16: (50, 75%]
+  nb[1, 0, 3:19] = seq[31:47]                                         # all 16: (75, 100%]
+  nb[2, 0, :8] = seq[40:48]                                           # only 1 target: 0%
+  want = np.concatenate([np.full(15, -1), np.full(16, 3), np.full(16, 4), [0]])
+  np.testing.assert_array_equal(retro_eval.overlap_buckets(seq, nb, m, pad_id=0), want)
+  nb[0, 1, :9] = 5
+  nb[0, 0, :8] = seq[20:28]                                           # 8 of 16: (25, 50%]
+  assert (retro_eval.overlap_buckets(seq, nb, m, pad_id=0)[15:31] == 2).all()
+  nb[0, 0, :8] = 5                                                    # none: 0%
+  assert (retro_eval.overlap_buckets(seq, nb, m, pad_id=0)[15:31] == 0).all()
+
+
+def _heldout_nll(export, db, retrieval):
+  """(summed nats, scored targets, nats per held-out document) of an export over every held-out
+  sequence, one at a time."""
+  config, params, _ = retro_export.load(export)
+  module = RetroModel(config)
+  apply = jax.jit(lambda p, t, n, y: token_nll(module.apply({"params": p}, t, n), y))
+  per_doc = np.zeros(len(db.documents("heldout")))
+  total, tokens = 0.0, 0
+  for s in range(db.num_sequences("heldout")):
+    r = db.read_sequence("heldout", s)
+    nb = r["neighbours"][None, :, :config.num_neighbours] if retrieval else None
+    nll = np.asarray(apply(params, r["inputs"][None], nb, r["targets"][None])[0], np.float64)
+    scored = r["target_docs"] >= 0
+    total, tokens = total + nll[scored].sum(), tokens + int(scored.sum())
+    np.add.at(per_doc, r["target_docs"][scored], nll[scored])
+  return total, tokens, per_doc
+
+
+@pytest.mark.slow
+def test_eval_json_equals_a_recomputation_over_every_heldout_sequence(db, trained):
+  with open(os.path.join(trained, "eval.json")) as f:
+    report = json.load(f)
+  docs = db.documents("heldout")
+  doc_bytes = np.array([d["bytes"] for d in docs], np.float64)
+  assert report["bytes"] == doc_bytes.sum() and report["documents"] == len(docs)
+  systems = {"retro": ("retro", True), "retro_no_neighbours": ("retro", False),
+             "baseline": ("baseline", True)}
+  assert list(report["models"]) == list(systems)
+  per_doc = {}
+  for label, (model, retrieval) in systems.items():
+    total, tokens, per_doc[label] = _heldout_nll(os.path.join(trained, model, "export"), db,
+                                                 retrieval)
+    assert tokens == sum(d["tokens"] for d in docs) == report["tokens"]  # each scored once
+    got = report["models"][label]
+    np.testing.assert_allclose(got["bits_per_byte"], total / LN2 / doc_bytes.sum(), rtol=1e-5)
+    np.testing.assert_allclose(got["nats_per_token"], total / tokens, rtol=1e-5)
+    np.testing.assert_allclose(got["se"], retro_eval.ratio_se(per_doc[label] / LN2, doc_bytes)[1],
+                               rtol=1e-4)
+  # The baseline reads no neighbours: the same with them in the batch.
+  assert report["models"]["retro"]["bits_per_byte"] != report["models"]["baseline"]["bits_per_byte"]
+  # Each difference is the difference of the models' values (the same bytes), paired over docs.
+  assert sorted(report["differences"]) == ["retro - baseline", "retro_no_neighbours - baseline",
+                                           "retro_no_neighbours - retro"]
+  for name, d in report["differences"].items():
+    a, b = name.split(" - ")
+    np.testing.assert_allclose(d["bits_per_byte"], report["models"][a]["bits_per_byte"]
+                               - report["models"][b]["bits_per_byte"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(d["se"], retro_eval.ratio_se(
+        (per_doc[a] - per_doc[b]) / LN2, doc_bytes)[1], rtol=1e-3, atol=1e-7)
+  # The overlap rows split the same tokens and bytes.
+  rows = report["overlap"]
+  assert sum(r["tokens"] for r in rows) == report["tokens"]
+  np.testing.assert_allclose(sum(r["bytes"] for r in rows), report["bytes"], rtol=1e-5)
+  assert rows[0]["overlap"] == retro_eval.NO_NEIGHBOURS
+  for label in systems:
+    bits = sum(r[label] * r["bytes"] for r in rows if r["tokens"])
+    np.testing.assert_allclose(bits / report["bytes"], report["models"][label]["bits_per_byte"],
+                               rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ sampling
+PROMPT_TOKENS = 26  # with the leading separator: one chunk of 16 complete, the second on its way
+
+
+def _prompt(db):
+  """Text from the start of the first training document (its chunks are in the index)."""
+  return db.tokenizer.decode(np.asarray(db.train_stream[1:PROMPT_TOKENS]).tolist())
+
+
+def greedy_reference(export, db, prompt, max_new_tokens):
+  """(continuation, [(chunk, ids, scores)]): greedy decoding with a full forward pass per token
+  over the context, and the neighbours of each completed chunk by a numpy search of the keys of
+  the indexed train chunks (those holding a document token)."""
+  config, params, _ = retro_export.load(export)
+  module = RetroModel(config)
+  logits_of = jax.jit(lambda p, t, n: module.apply({"params": p}, t, n))
+  tok, m, k = db.tokenizer, config.chunk_length, config.num_neighbours
+  context = config.max_length // m * m
+  docs = np.asarray(db.array("train", "docs"))[:db.num_chunks("train") * m].reshape(-1, m)
+  indexed = np.flatnonzero((docs >= 0).any(1))
+  keys = np.asarray(db.array("train", "keys"), np.float64)[indexed]
+  ids = [tok.eos_id] + tok.encode_batch([prompt])[0]
+  start_len = len(ids)
+  neighbours = np.full((1, context // m, k, 2 * m), tok.pad_id, np.int32)
+  found = []
+  while len(ids) - start_len < max_new_tokens and len(ids) < context:
+    for u in range(len(found), len(ids) // m):
+      scores = keys @ db.embed_keys(np.array(ids[u * m:(u + 1) * m])[None])[0].astype(np.float64)
+      best = np.argsort(-scores, kind="stable")[:k]
+      found.append((u, indexed[best], scores[best]))
+      neighbours[0, u] = db.values(indexed[best])
+    tokens = np.full((1, context), tok.pad_id, np.int32)
+    tokens[0, :len(ids)] = ids
+    nxt = int(np.argmax(logits_of(params, tokens, neighbours)[0, len(ids) - 1]))
+    if nxt == tok.eos_id:
+      break
+    ids.append(nxt)
+  return tok.decode(ids[start_len:]), found
+
+
+@pytest.mark.slow
+def test_greedy_sampling_and_evidence_equal_a_plain_loop(db, trained):
+  export, prompt = os.path.join(trained, "retro", "export"), _prompt(db)
+  text, evidence = RetroLm(export, db).generate(prompt, max_new_tokens=30, temperature=0)
+  want_text, want = greedy_reference(export, db, prompt, 30)
+  assert text == want_text and text
+  assert len(want) >= 2  # the prompt's chunk, then one the model completed
+  assert [e.chunk for e in evidence] == [u for u, _, _ in want]
+  for e, (_, ids, scores) in zip(evidence, want):
+    assert [n["chunk_id"] for n in e.neighbours] == ids.tolist()
+    np.testing.assert_allclose([n["score"] for n in e.neighbours], scores, rtol=1e-4, atol=1e-5)
+    assert all(n["title"] and n["text"] for n in e.neighbours)
+
+
+@pytest.mark.slow
+def test_sampling_refuses_a_long_prompt_and_another_tokenizer(db, trained, tmp_path):
+  export = os.path.join(trained, "retro", "export")
+  lm = RetroLm(export, db)
+  with pytest.raises(ValueError, match=r"--prompt is \d+ tokens long .*context is 64 tokens"):
+    lm.generate("river " * 64, max_new_tokens=4)
+  other = tmp_path / "other"
+  shutil.copytree(export, other)
+  meta = json.loads((other / retro_export.CONFIG).read_text())
+  (other / retro_export.CONFIG).write_text(json.dumps({**meta, "tokenizer": "gpt2-bpe-50257"}))
+  with pytest.raises(ValueError, match=r"--config\.db\.tokenizer_file giving gpt2-bpe-50257"):
+    RetroLm(str(other), db)
+
+
+@pytest.mark.slow
+def test_sampling_a_long_prompt_is_one_error_line(trained):
+  code, out = run("retro_sample", f"--workdir={trained}", "--prompt=" + "river " * 64)
+  errors = [line for line in out.splitlines() if line.startswith("error: ")]
+  assert code == 2 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
+  assert "--prompt is" in errors[0] and "shorten the prompt" in errors[0]
+
+
+# ------------------------------------------------------------------------------------ notebook
+@pytest.mark.slow
+def test_the_notebook_trains_reports_plots_and_samples(db, trained, tmp_path, monkeypatch):
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+  assert len(params) == 1
+  # A copy of the finished run: training resumes with nothing to do, then evaluates and samples.
+  copy = str(tmp_path / "w")
+  shutil.copytree(trained, copy)
+  prompt = _prompt(db)
+  params[0].source = "\n".join([
+      'variant = "tiny"', f"workdir = {copy!r}", "num_steps = 6", f"prompt = {prompt!r}",
+      "max_new_tokens = 20"])
+  monkeypatch.delenv("XLA_FLAGS", raising=False)  # the kernel runs on one device, like Colab's
+  nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                          resources={"metadata": {"path": str(tmp_path)}}).execute()
+  outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+  assert not [o for o in outputs if o.output_type == "error"]
+  text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+  text += "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
+  with open(os.path.join(copy, "eval.json")) as f:
+    report = json.load(f)
+  assert report == json.load(open(os.path.join(trained, "eval.json")))  # nothing was trained
+  for label, m in report["models"].items():
+    assert f"| {label} | {m['bits_per_byte']:.4f} | {m['se']:.4f} |" in text, text
+  images = [o for o in outputs if "image/png" in o.get("data", {})]
+  assert len(images) == 1
+  lm_text, evidence = RetroLm(os.path.join(trained, "retro", "export"), db).generate(
+      prompt, max_new_tokens=20, temperature=0)
+  assert f"{prompt} >>> {lm_text}\n" in text, text
+  assert evidence
+  for e in evidence:
+    assert f"chunk {e.chunk}: {e.chunk_text!r}\n" in text, text
+    for n in e.neighbours:
+      assert f"  [{n['score']:.3f}] {n['title']}: {n['text']}\n" in text, text
