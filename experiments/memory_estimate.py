@@ -3,6 +3,8 @@
   python experiments/memory_estimate.py --config=realm_jax/configs/pretrain.py:paper_v4_64
   python experiments/memory_estimate.py --config=realm_jax/configs/pretrain.py:paper \
       --devices=8 --capacity_gib=80 --config.batch_size=64 --config.remat=True
+  python experiments/memory_estimate.py --config=realm_jax/configs/retro.py:paper_1.5b \
+      --devices=64 --capacity_gib=16   # RETRO (realm_jax/configs/retro.py)
 """
 
 from absl import flags
@@ -22,6 +24,13 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
   del argv
   c = _CONFIG.value
+  if "db" in c:  # a RETRO config
+    if not _DEVICES.value:
+      cli.fail("--devices is needed for a RETRO config (e.g. --devices=8).")
+    est = memory.retro_estimate(c, _DEVICES.value)
+    print(memory.format_retro_estimate(est, _CAPACITY.value,
+                                       f"RETRO {c.variant}: memory per device (estimate)"))
+    return
   devices = _DEVICES.value or c.slice.devices
   if not devices:
     cli.fail("--devices is needed: this config names no TPU slice (e.g. --devices=8).")

@@ -113,6 +113,60 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
           "dim": dim}
 
 
+def retro_estimate(config, devices: int, vocab_size: int = 30522) -> dict:
+  """Bytes per device of a RETRO run (realm_jax/configs/retro.py): the RETRO decoder's parameters
+  (from shapes only) with AdamW, and the activations of its sequences, neighbour tokens and
+  logits; the chunk index lives on the host (not counted)."""
+  from realm_jax.models.retro import RetroConfig, RetroModel, cca_layers
+  c, db = config.model, config.db
+  length, m, k = db.chunk_length * db.seq_chunks, db.chunk_length, c.num_neighbours
+  mc = RetroConfig(vocab_size=vocab_size, num_layers=c.num_layers, hidden_size=c.hidden_size,
+                   num_heads=c.num_heads, mlp_size=c.mlp_size, max_length=c.max_length,
+                   chunk_length=m, cca_layers=tuple(c.cca_layers) or cca_layers(
+                       c.num_layers, c.cca_start, c.cca_every),
+                   encoder_layers=c.encoder_layers, encoder_size=c.encoder_size,
+                   num_neighbours=k, dtype=c.dtype, remat=c.remat)
+  tokens = jax.ShapeDtypeStruct((1, length), jax.numpy.int32)
+  neighbours = jax.ShapeDtypeStruct((1, db.seq_chunks, k, 2 * m), jax.numpy.int32)
+  shapes = jax.eval_shape(lambda t, n: RetroModel(mc).init(jax.random.key(0), t, n), tokens,
+                          neighbours)
+  p = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+  b = -(-config.batch_size // devices)
+  act = 2 if c.dtype == "bfloat16" else 4
+
+  def layers(n_tokens, width, heads, seq, count):
+    per = (34 * width + 5 * heads * seq) * act / 2
+    if c.remat:
+      return n_tokens * (count * width * act + per)
+    return n_tokens * count * per
+
+  activations = (layers(b * length, c.hidden_size, c.num_heads, length, c.num_layers)
+                 + layers(b * length * 2 * k, mc.encoder_width, c.num_heads, 2 * m,
+                          c.encoder_layers)
+                 + 2 * b * length * vocab_size * 4)   # float32 logits and their gradient
+  parts = {"parameters": 4 * p, "gradients": 4 * p, "optimizer state": 8 * p,
+           "update buffers": 4 * p, "activations": activations}
+  return {"parts": parts, "total": sum(parts.values()), "params": {"decoder": p},
+          "devices": devices, "examples_per_device": b, "sequence": length}
+
+
+def format_retro_estimate(est: dict, capacity_gib: float = 0.0, title: str = "") -> str:
+  lines = [title or "Memory per device (estimate)",
+           f"  {est['devices']} devices, {est['examples_per_device']} sequences of "
+           f"{est['sequence']} tokens each; {est['params']['decoder'] / 1e6:.1f}M parameters"]
+  for name, value in est["parts"].items():
+    lines.append(f"  {name:<16} {value / GIB:8.3f} GiB")
+  lines.append(f"  {'total':<16} {est['total'] / GIB:8.3f} GiB")
+  if capacity_gib:
+    share = est["total"] / (capacity_gib * GIB)
+    verdict = ("fits" if fits(est, capacity_gib * GIB) else
+               "does NOT fit: set config.model.remat or lower the batch per device; parameters "
+               "and optimizer state are replicated on every device (data parallelism only)")
+    lines.append(f"  of {capacity_gib:g} GiB per device: {100 * share:.0f}% (x {MARGIN} margin: "
+                 f"{100 * share * MARGIN:.0f}%) -> {verdict}")
+  return "\n".join(lines)
+
+
 def format_estimate(est: dict, capacity_gib: float = 0.0, title: str = "") -> str:
   """A small table of the estimate, with a verdict when the device memory is known."""
   lines = [title or "Memory per device (estimate)",

@@ -32,7 +32,7 @@ from realm_jax.checkpoints import retro_export
 from realm_jax.data.retro_batches import retro_batches
 from realm_jax.models.retro import RetroConfig, RetroModel, cca_layers, token_nll
 from realm_jax.retrieval.chunk_db import RetroDb, build_database
-from realm_jax.train import loop
+from realm_jax.train import loop, memory
 from realm_jax.train.realm_step import loss_step
 
 MODELS = ("retro", "baseline")
@@ -154,6 +154,9 @@ class RetroTrainer(loop.TrainLoop):
     loop.check_workdir_config(config, workdir, FIXED_SETTINGS)
     self.model_config = model_config(config, db, retrieval)
     self.module = RetroModel(self.model_config)
+    est = memory.retro_estimate(config, jax.device_count(), db.tokenizer.vocab_size)
+    logging.info("%s", memory.format_retro_estimate(est, title=f"{self.name}: memory per device "
+                                                    "(estimate)"))
     params = self._initial_params()
     self.schedule, tx = optimizer(config, params)
     k = self.model_config.num_neighbours
