@@ -33,6 +33,9 @@ def main(argv):
   cli.quiet_library_logs()
   if not (_WORKDIR.value or (_MODEL.value and _DB.value)):
     cli.fail("give --workdir (a retro_train.py work directory), or both --model and --db.")
+  for flag in (_MAX_NEW, _TEMPERATURE, _TOP_K):
+    if flag.value < 0:
+      cli.fail(f"--{flag.name}={flag.value}: must not be negative.")
   model = _MODEL.value or os.path.join(_WORKDIR.value, "retro", "export")
   db = RetroDb.open(_DB.value or os.path.join(_WORKDIR.value, "db"))
   lm = RetroLm(model, db, searcher=_SEARCHER.value)

@@ -1,11 +1,11 @@
 """RETRO training, evaluation and sampling end to end on the tiny config: the sharded step equals a
 plain one-device loop; a SIGKILLed run resumes to bit-identical parameters; eval.json equals a
-hand recomputation over every held-out sequence; greedy sampling equals a plain loop with a
-brute-force search; user mistakes end in one `error:` line; the Colab notebook trains, reports,
-plots and samples.
+recomputation by hand over every held-out sequence; greedy sampling and its evidence equal a plain
+loop with a brute-force search; sampling refuses a long prompt and another tokenizer; the Colab
+notebook reports, plots and samples. (The retro scripts' other user mistakes: tests/test_cli.py.)
 
 The tiny chunk database is built once (~5 s) and every run here reads it; one tiny run of both
-decoders (`trained`, ~30 s) serves the tests marked slow.
+decoders (`trained`, ~25 s) serves the other tests, all marked slow but the two by hand.
 """
 
 import json
@@ -43,10 +43,13 @@ LN2 = math.log(2.0)
 
 def start(script, *args, log=None):
   """experiments/<script>.py as a user runs it (one device); output to `log` (a file) or piped."""
-  out = open(log, "w") if log else subprocess.PIPE
-  return subprocess.Popen([sys.executable, os.path.join("experiments", f"{script}.py"), *args],
-                          cwd=ROOT, env=one_device_env(), stdout=out, stderr=subprocess.STDOUT,
-                          text=True)
+  cmd = [sys.executable, os.path.join("experiments", f"{script}.py"), *args]
+  if log is None:
+    return subprocess.Popen(cmd, cwd=ROOT, env=one_device_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+  with open(log, "w") as out:  # (the child has its own copy of the file)
+    return subprocess.Popen(cmd, cwd=ROOT, env=one_device_env(), stdout=out,
+                            stderr=subprocess.STDOUT)
 
 
 def run(script, *args):
@@ -69,6 +72,11 @@ def train_steps(run_dir):
 def complete_checkpoints(run_dir):
   root = os.path.join(run_dir, "checkpoints")
   return sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
+
+
+def read_json(path):
+  with open(path) as f:
+    return json.load(f)
 
 
 def export_arrays(export):
@@ -103,13 +111,13 @@ def trained(work, db):
 
 # ------------------------------------------------------------------------------------ training
 @pytest.mark.slow
-@pytest.mark.parametrize("retrieval", [True, False], ids=["retro", "baseline"])
-def test_sharded_step_equals_one_device(db, tmp_path, retrieval):
-  """The trainer's steps over the 8 fake devices (a batch of 8: one sequence a device) end with
-  the parameters of a plain one-device loop over the same batches."""
+def test_sharded_step_equals_one_device(db, tmp_path):
+  """The RETRO trainer's steps over the 8 fake devices (a batch of 8: one sequence a device) end
+  with the parameters of a plain one-device loop over the same batches. (The baseline differs only
+  in its model: not run again, ~8 s.)"""
   config = get_config("tiny")
   config.num_steps, config.eval_every = 2, 0
-  trainer = RetroTrainer(config, str(tmp_path / "run"), db, retrieval=retrieval)
+  trainer = RetroTrainer(config, str(tmp_path / "run"), db, retrieval=True)
   assert len(trainer.mesh.devices.flat) == 8
   initial = params = jax.device_get(trainer.state.params)
   module = trainer.module
@@ -118,14 +126,17 @@ def test_sharded_step_equals_one_device(db, tmp_path, retrieval):
 
   _, tx = optimizer(config, params)
   opt_state = tx.init(params)
-  grad = jax.jit(jax.grad(lambda p, b: sequence_loss(module, p, b, retrieval)[0]))
-  update = jax.jit(tx.update)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    grads = jax.grad(lambda p: sequence_loss(module, p, batch, retrieval=True)[0])(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
   batches = retro_batches(db, "train", batch_size=config.batch_size, seed=config.seed,
                           num_neighbours=module.config.num_neighbours)
   for _ in range(config.num_steps):
-    grads = grad(params, next(batches))
-    updates, opt_state = update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    params, opt_state = step(params, opt_state, next(batches))
   assert jax.tree.structure(got) == jax.tree.structure(params)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
@@ -141,10 +152,11 @@ def test_killed_run_resumes_to_bit_identical_parameters(tmp_path, db, trained):
   args = (CONFIG, f"--workdir={workdir}", *STEPS, f"--config.db.dir={db.directory}",
           "--config.models=('retro',)")
   kill_after = random.Random().randint(1, 5)  # a random step of the 6
-  proc = start("retro_train", *args, log=str(tmp_path / "killed.log"))
+  log = tmp_path / "killed.log"
+  proc = start("retro_train", *args, log=log)
   deadline = time.time() + 300
   while not any(s >= kill_after for s in train_steps(run_dir)):
-    assert proc.poll() is None, open(tmp_path / "killed.log").read()[-3000:]
+    assert proc.poll() is None, log.read_text()[-3000:]
     assert time.time() < deadline
     time.sleep(0.01)
   # Checkpoints are written asynchronously: one complete before the kill must be restored.
@@ -222,11 +234,11 @@ def _heldout_nll(export, db, retrieval):
 
 @pytest.mark.slow
 def test_eval_json_equals_a_recomputation_over_every_heldout_sequence(db, trained):
-  with open(os.path.join(trained, "eval.json")) as f:
-    report = json.load(f)
+  report = read_json(os.path.join(trained, "eval.json"))
   docs = db.documents("heldout")
   doc_bytes = np.array([d["bytes"] for d in docs], np.float64)
   assert report["bytes"] == doc_bytes.sum() and report["documents"] == len(docs)
+  # label: (export, neighbours given); the baseline has no CCA layers and ignores them.
   systems = {"retro": ("retro", True), "retro_no_neighbours": ("retro", False),
              "baseline": ("baseline", True)}
   assert list(report["models"]) == list(systems)
@@ -240,8 +252,8 @@ def test_eval_json_equals_a_recomputation_over_every_heldout_sequence(db, traine
     np.testing.assert_allclose(got["nats_per_token"], total / tokens, rtol=1e-5)
     np.testing.assert_allclose(got["se"], retro_eval.ratio_se(per_doc[label] / LN2, doc_bytes)[1],
                                rtol=1e-4)
-  # The baseline reads no neighbours: the same with them in the batch.
-  assert report["models"]["retro"]["bits_per_byte"] != report["models"]["baseline"]["bits_per_byte"]
+  # The neighbours change the RETRO decoder's predictions.
+  assert report["models"]["retro"] != report["models"]["retro_no_neighbours"]
   # Each difference is the difference of the models' values (the same bytes), paired over docs.
   assert sorted(report["differences"]) == ["retro - baseline", "retro_no_neighbours - baseline",
                                            "retro_no_neighbours - retro"]
@@ -264,6 +276,7 @@ def test_eval_json_equals_a_recomputation_over_every_heldout_sequence(db, traine
 
 # ------------------------------------------------------------------------------------ sampling
 PROMPT_TOKENS = 26  # with the leading separator: one chunk of 16 complete, the second on its way
+NEW_TOKENS = 20     # the second chunk completes too
 
 
 def _prompt(db):
@@ -302,11 +315,23 @@ def greedy_reference(export, db, prompt, max_new_tokens):
   return tok.decode(ids[start_len:]), found
 
 
+@pytest.fixture(scope="module")
+def lm(db, trained):
+  return RetroLm(os.path.join(trained, "retro", "export"), db)
+
+
+@pytest.fixture(scope="module")
+def sample(db, lm):
+  """(prompt, continuation, evidence) of greedy sampling from the trained RETRO decoder."""
+  prompt = _prompt(db)
+  return (prompt, *lm.generate(prompt, max_new_tokens=NEW_TOKENS, temperature=0))
+
+
 @pytest.mark.slow
-def test_greedy_sampling_and_evidence_equal_a_plain_loop(db, trained):
-  export, prompt = os.path.join(trained, "retro", "export"), _prompt(db)
-  text, evidence = RetroLm(export, db).generate(prompt, max_new_tokens=30, temperature=0)
-  want_text, want = greedy_reference(export, db, prompt, 30)
+def test_greedy_sampling_and_evidence_equal_a_plain_loop(db, trained, sample):
+  prompt, text, evidence = sample
+  want_text, want = greedy_reference(os.path.join(trained, "retro", "export"), db, prompt,
+                                     NEW_TOKENS)
   assert text == want_text and text
   assert len(want) >= 2  # the prompt's chunk, then one the model completed
   assert [e.chunk for e in evidence] == [u for u, _, _ in want]
@@ -317,9 +342,8 @@ def test_greedy_sampling_and_evidence_equal_a_plain_loop(db, trained):
 
 
 @pytest.mark.slow
-def test_sampling_refuses_a_long_prompt_and_another_tokenizer(db, trained, tmp_path):
+def test_sampling_refuses_a_long_prompt_and_another_tokenizer(db, trained, lm, tmp_path):
   export = os.path.join(trained, "retro", "export")
-  lm = RetroLm(export, db)
   with pytest.raises(ValueError, match=r"--prompt is \d+ tokens long .*context is 64 tokens"):
     lm.generate("river " * 64, max_new_tokens=4)
   other = tmp_path / "other"
@@ -340,7 +364,7 @@ def test_sampling_a_long_prompt_is_one_error_line(trained):
 
 # ------------------------------------------------------------------------------------ notebook
 @pytest.mark.slow
-def test_the_notebook_trains_reports_plots_and_samples(db, trained, tmp_path, monkeypatch):
+def test_the_notebook_trains_reports_plots_and_samples(trained, sample, tmp_path, monkeypatch):
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")
   nb = nbformat.read(NOTEBOOK, as_version=4)
@@ -349,10 +373,10 @@ def test_the_notebook_trains_reports_plots_and_samples(db, trained, tmp_path, mo
   # A copy of the finished run: training resumes with nothing to do, then evaluates and samples.
   copy = str(tmp_path / "w")
   shutil.copytree(trained, copy)
-  prompt = _prompt(db)
+  prompt, lm_text, evidence = sample
   params[0].source = "\n".join([
       'variant = "tiny"', f"workdir = {copy!r}", "num_steps = 6", f"prompt = {prompt!r}",
-      "max_new_tokens = 20"])
+      f"max_new_tokens = {NEW_TOKENS}"])
   monkeypatch.delenv("XLA_FLAGS", raising=False)  # the kernel runs on one device, like Colab's
   nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                           resources={"metadata": {"path": str(tmp_path)}}).execute()
@@ -360,17 +384,13 @@ def test_the_notebook_trains_reports_plots_and_samples(db, trained, tmp_path, mo
   assert not [o for o in outputs if o.output_type == "error"]
   text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
   text += "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
-  with open(os.path.join(copy, "eval.json")) as f:
-    report = json.load(f)
-  assert report == json.load(open(os.path.join(trained, "eval.json")))  # nothing was trained
+  report = read_json(os.path.join(copy, "eval.json"))
+  assert report == read_json(os.path.join(trained, "eval.json"))  # nothing was trained again
   for label, m in report["models"].items():
     assert f"| {label} | {m['bits_per_byte']:.4f} | {m['se']:.4f} |" in text, text
   images = [o for o in outputs if "image/png" in o.get("data", {})]
   assert len(images) == 1
-  lm_text, evidence = RetroLm(os.path.join(trained, "retro", "export"), db).generate(
-      prompt, max_new_tokens=20, temperature=0)
   assert f"{prompt} >>> {lm_text}\n" in text, text
-  assert evidence
   for e in evidence:
     assert f"chunk {e.chunk}: {e.chunk_text!r}\n" in text, text
     for n in e.neighbours:
