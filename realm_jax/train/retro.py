@@ -50,7 +50,8 @@ def check_settings(config, workdir: str) -> None:
   """Refuses settings no run can use, naming the flag, before the database or any compiling."""
   config_checks.workdir(workdir)
   config_checks.at_least(config, {
-      **loop.LOOP_MINIMUMS, "learning_rate": 0, "eval_sequences": 1, "eval_batch_size": 1, "model.num_layers": 1,
+      **loop.LOOP_MINIMUMS, "learning_rate": 0, "eval_sequences": 1, "eval_batch_size": 1,
+      "model.num_layers": 1,
       "model.hidden_size": 8, "model.num_heads": 1, "model.mlp_size": 1,
       "model.encoder_layers": 1, "model.num_neighbours": 1, "db.chunk_length": 2,
       "db.seq_chunks": 1, "db.num_neighbours": 1, "db.key_length": 4, "db.max_docs": 0})
