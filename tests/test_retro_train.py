@@ -396,3 +396,61 @@ def test_the_notebook_trains_reports_plots_and_samples(trained, sample, tmp_path
     assert f"chunk {e.chunk}: {e.chunk_text!r}\n" in text, text
     for n in e.neighbours:
       assert f"  [{n['score']:.3f}] {n['title']}: {n['text']}\n" in text, text
+
+
+@pytest.mark.slow
+def test_retrofit_trains_only_cca_and_the_encoder_of_a_gpt2(tmp_path):
+  """RETROfitting: a tiny random Hugging Face GPT-2 with its own byte-level BPE tokenizer.json
+  (trained here on the articles); the database is keyed through decoded text; with
+  freeze_decoder the exported decoder arrays are exactly the checkpoint's, while CCA and the
+  encoder moved from their initial values."""
+  import torch
+  import transformers
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from realm_jax.checkpoints import gpt2
+  from realm_jax.data.wiki_vital import load_articles
+  from realm_jax.train.retro import train_and_evaluate
+
+  ckpt = tmp_path / "gpt2"
+  ckpt.mkdir()
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(
+      [a["text"] for a in load_articles()[:200]],
+      trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.save(str(ckpt / "tokenizer.json"))
+  torch.manual_seed(0)
+  hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+      vocab_size=tok.get_vocab_size(), n_positions=64, n_embd=32, n_layer=2, n_head=2))
+  hf.save_pretrained(str(ckpt), safe_serialization=True)
+
+  config = get_config("tiny")
+  config.init, config.freeze_decoder = str(ckpt), True
+  config.db.tokenizer_file = str(ckpt / "tokenizer.json")
+  config.models, config.num_steps, config.eval_every = ("retro",), 3, 0
+  workdir = str(tmp_path / "work")
+  report = train_and_evaluate(config, workdir)
+  assert set(report["models"]) == {"retro", "retro_no_neighbours"}
+
+  model_config, got, meta = retro_export.load(os.path.join(workdir, "retro", "export"))
+  assert meta["tokenizer"].startswith("tokenizer.json:") and model_config.cca_layers == (2,)
+  want = gpt2.load_decoder(str(ckpt))
+  flat_got = {jax.tree_util.keystr(p): np.asarray(v)
+              for p, v in jax.tree_util.tree_leaves_with_path(got)}
+  flat_want = {jax.tree_util.keystr(p): np.asarray(v)
+               for p, v in jax.tree_util.tree_leaves_with_path(want)}
+  for key, value in flat_want.items():
+    np.testing.assert_array_equal(flat_got[key], value, err_msg=key)
+  module = RetroModel(model_config)
+  length = 64
+  init = jax.jit(lambda key: module.init(
+      key, np.zeros((1, length), np.int32),
+      np.zeros((1, 4, model_config.num_neighbours, 2 * model_config.chunk_length), np.int32))
+      ["params"])(jax.random.key(config.seed))
+  moved = [k for k, v in jax.tree_util.tree_leaves_with_path(init)
+           if jax.tree_util.keystr(k) not in flat_want
+           and not np.array_equal(flat_got[jax.tree_util.keystr(k)], np.asarray(v))]
+  assert moved and all("cca" in jax.tree_util.keystr(k) or "encoder" in jax.tree_util.keystr(k)
+                       for k in moved)

@@ -38,7 +38,8 @@ BUCKETS = ((0.0, 0.0, "0%"), (0.0, 0.25, "(0, 25%]"), (0.25, 0.5, "(25, 50%]"),
 NO_NEIGHBOURS = "first m-1 tokens"
 
 
-def ngram_overlap(targets: np.ndarray, neighbours: np.ndarray, pad_id: int, n: int = NGRAM) -> float:
+def ngram_overlap(targets: np.ndarray, neighbours: np.ndarray, pad_id: int,
+                  n: int = NGRAM) -> float:
   """The share of `targets` [T] inside an n-gram (of consecutive targets) that also occurs in one
   of `neighbours` [K, R] (padding left out); 0 when T < n."""
   grams = set()
@@ -64,7 +65,8 @@ def overlap_buckets(targets: np.ndarray, neighbours: np.ndarray, chunk_length: i
     if lo >= length:
       break
     r = ngram_overlap(targets[lo:hi], neighbours[v], pad_id)
-    out[lo:hi] = next(i for i, (a, b, _) in enumerate(BUCKETS) if (r == 0 if b == 0 else a < r <= b))
+    out[lo:hi] = next(i for i, (a, b, _) in enumerate(BUCKETS)
+                      if (r == 0 if b == 0 else a < r <= b))
   return out
 
 
@@ -157,10 +159,12 @@ def _report(systems: dict, doc_bytes: np.ndarray, doc_tokens: np.ndarray) -> dic
 def markdown(report: dict) -> str:
   lines = [f"Held-out: {report['documents']:,} documents, {report['tokens']:,} tokens, "
            f"{report['bytes']:,} bytes.", "",
-           "| model | bits per byte | ± s.e. | perplexity (per token) |", "| --- | --- | --- | --- |"]
+           "| model | bits per byte | ± s.e. | perplexity (per token) |",
+           "| --- | --- | --- | --- |"]
   for label, m in report["models"].items():
     lines.append(f"| {label} | {m['bits_per_byte']:.4f} | {m['se']:.4f} | {m['perplexity']:.1f} |")
-  lines += ["", "| difference (paired over documents) | bits per byte | ± s.e. |", "| --- | --- | --- |"]
+  lines += ["", "| difference (paired over documents) | bits per byte | ± s.e. |",
+            "| --- | --- | --- |"]
   for label, d in report["differences"].items():
     lines.append(f"| {label} | {d['bits_per_byte']:+.5f} | {d['se']:.5f} |")
   labels = list(report["models"])

@@ -95,7 +95,8 @@ def _gelu(x: Array) -> Array:
 
 
 def _attend(q: Array, k: Array, v: Array, bias: Array) -> Array:
-  """q [..., N, Q, Dh], k/v [..., N, K, Dh], bias broadcastable to [..., N, Q, K] -> [..., N, Q, Dh].
+  """q [..., N, Q, Dh], k/v [..., N, K, Dh], bias broadcastable to [..., N, Q, K]
+  -> [..., N, Q, Dh].
   Scores and softmax in float32."""
   q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
   scores = jnp.einsum("...nqd,...nkd->...nqk", q, k).astype(jnp.float32) + bias
@@ -240,8 +241,9 @@ class ChunkedCrossAttention(nn.Module):
     # the same for each of the K neighbours laid side by side.
     bias = RelativeBias(c.num_heads, m - 1, r - 1, name="bias")(jnp.arange(m), jnp.arange(r))
     bias = jnp.tile(bias, (1, 1, k))                                   # [N, m, K*R]
-    out = CrossAttention(c, c.hidden_size, name="attn")(queries, memory, mask.reshape(b, num_chunks, k * r),
-                                         bias)                         # [B, C, m, H]
+    key_mask = mask.reshape(b, num_chunks, k * r)
+    out = CrossAttention(c, c.hidden_size, name="attn")(queries, memory, key_mask,
+                                                        bias)          # [B, C, m, H]
     out = out.reshape(b, num_chunks * m, h)[:, :length - (m - 1)]
     out = jnp.pad(out, ((0, 0), (m - 1, 0), (0, 0)))
     return nn.Dropout(c.dropout)(out, deterministic=True)

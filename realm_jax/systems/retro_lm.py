@@ -19,7 +19,7 @@ from realm_jax.models.retro import RetroModel
 class Evidence:
   chunk: int                 # the chunk of the text that retrieved them (0-based)
   chunk_text: str
-  neighbours: list[dict]     # {"chunk_id", "score", "title", "text"} (text: neighbour + continuation)
+  neighbours: list[dict]     # {"chunk_id", "score", "title", "text": neighbour + continuation}
 
 
 class RetroLm:

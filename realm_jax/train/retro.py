@@ -215,7 +215,8 @@ class RetroTrainer(loop.TrainLoop):
     metrics = self._bpb(self.eval_fn)
     if self.retrieval:
       off = self._bpb(self.eval_off)
-      metrics.update(loss_no_neighbours=off["loss"], bits_per_byte_no_neighbours=off["bits_per_byte"])
+      metrics.update(loss_no_neighbours=off["loss"],
+                     bits_per_byte_no_neighbours=off["bits_per_byte"])
     return metrics
 
   def finish(self, last_eval, trained):
