@@ -151,36 +151,32 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522) -> dict:
 
 
 def format_retro_estimate(est: dict, capacity_gib: float = 0.0, title: str = "") -> str:
-  lines = [title or "Memory per device (estimate)",
-           f"  {est['devices']} devices, {est['examples_per_device']} sequences of "
-           f"{est['sequence']} tokens each; {est['params']['decoder'] / 1e6:.1f}M parameters"]
-  for name, value in est["parts"].items():
-    lines.append(f"  {name:<16} {value / GIB:8.3f} GiB")
-  lines.append(f"  {'total':<16} {est['total'] / GIB:8.3f} GiB")
-  if capacity_gib:
-    share = est["total"] / (capacity_gib * GIB)
-    verdict = ("fits" if fits(est, capacity_gib * GIB) else
-               "does NOT fit: set config.model.remat or lower the batch per device; parameters "
-               "and optimizer state are replicated on every device (data parallelism only)")
-    lines.append(f"  of {capacity_gib:g} GiB per device: {100 * share:.0f}% (x {MARGIN} margin: "
-                 f"{100 * share * MARGIN:.0f}%) -> {verdict}")
-  return "\n".join(lines)
+  """`format_estimate` of a RETRO run's estimate (`retro_estimate`)."""
+  head = (f"  {est['devices']} devices, {est['examples_per_device']} sequences of "
+          f"{est['sequence']} tokens each; {est['params']['decoder'] / 1e6:.1f}M parameters")
+  advice = ("set config.model.remat or lower the batch per device; parameters and optimizer "
+            "state are replicated on every device (data parallelism only)")
+  return _table(est, head, capacity_gib, title, advice)
 
 
 def format_estimate(est: dict, capacity_gib: float = 0.0, title: str = "") -> str:
   """A small table of the estimate, with a verdict when the device memory is known."""
-  lines = [title or "Memory per device (estimate)",
-           f"  {est['devices']} devices, {est['examples_per_device']} examples each; "
-           f"{est['params']['retriever'] / 1e6:.1f}M retriever + "
-           f"{est['params']['encoder'] / 1e6:.1f}M encoder parameters; index "
-           f"{est['index_rows']:,} x {est['dim']} ({est['shard_rows']:,} rows per device)"]
+  head = (f"  {est['devices']} devices, {est['examples_per_device']} examples each; "
+          f"{est['params']['retriever'] / 1e6:.1f}M retriever + "
+          f"{est['params']['encoder'] / 1e6:.1f}M encoder parameters; index "
+          f"{est['index_rows']:,} x {est['dim']} ({est['shard_rows']:,} rows per device)")
+  advice = "set config.remat, lower the batch per device, or use more devices"
+  return _table(est, head, capacity_gib, title, advice)
+
+
+def _table(est: dict, head: str, capacity_gib: float, title: str, advice: str) -> str:
+  lines = [title or "Memory per device (estimate)", head]
   for name, value in est["parts"].items():
     lines.append(f"  {name:<16} {value / GIB:8.3f} GiB")
   lines.append(f"  {'total':<16} {est['total'] / GIB:8.3f} GiB")
   if capacity_gib:
     share = est["total"] / (capacity_gib * GIB)
-    verdict = ("fits" if fits(est, capacity_gib * GIB) else
-               "does NOT fit: set config.remat, lower the batch per device, or use more devices")
+    verdict = "fits" if fits(est, capacity_gib * GIB) else f"does NOT fit: {advice}"
     lines.append(f"  of {capacity_gib:g} GiB per device: {100 * share:.0f}% (x {MARGIN} margin: "
                  f"{100 * share * MARGIN:.0f}%) -> {verdict}")
   return "\n".join(lines)
