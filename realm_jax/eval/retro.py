@@ -97,7 +97,7 @@ def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int 
   docs = db.documents("heldout")
   doc_bytes = np.array([d["bytes"] for d in docs], np.float64)
   doc_tokens = np.array([d["tokens"] for d in docs], np.float64)
-  systems = {}
+  systems, buckets_of = {}, {}   # (batch, k) -> overlap bucket of each target [B, L]
   for name, path in exports.items():
     config, params, meta = retro_export.load(path, flag=f"the {name} export")
     db.check_compatible(meta["tokenizer"], meta["key_fingerprint"])
@@ -108,18 +108,20 @@ def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int 
       nll_bucket = np.zeros(len(BUCKETS) + 1)
       bytes_bucket = np.zeros(len(BUCKETS) + 1)
       tokens_bucket = np.zeros(len(BUCKETS) + 1)
-      for batch, nll in tqdm(_per_token_nll(config, params, db, retrieval, batch_size),
-                             desc=f"evaluating {label}", unit="batch"):
+      batches = tqdm(_per_token_nll(config, params, db, retrieval, batch_size),
+                     desc=f"evaluating {label}", unit="batch")
+      for j, (batch, nll) in enumerate(batches):
         docs_t = batch["target_docs"]
         scored = docs_t >= 0
         np.add.at(nll_doc, docs_t[scored], nll[scored])
-        for i in range(len(nll)):
-          buckets = overlap_buckets(batch["targets"][i], batch["neighbours"][i],
-                                    db.chunk_length, db.tokenizer.pad_id)
-          ok = scored[i]
-          np.add.at(nll_bucket, buckets[ok] + 1, nll[i][ok])
-          np.add.at(bytes_bucket, buckets[ok] + 1, batch["target_bytes"][i][ok])
-          np.add.at(tokens_bucket, buckets[ok] + 1, 1)
+        key = (j, batch["neighbours"].shape[2])  # the same sequences in every pass, k neighbours
+        if key not in buckets_of:
+          buckets_of[key] = np.stack([overlap_buckets(t, n, db.chunk_length, db.tokenizer.pad_id)
+                                      for t, n in zip(batch["targets"], batch["neighbours"])])
+        idx = buckets_of[key][scored] + 1
+        np.add.at(nll_bucket, idx, nll[scored])
+        np.add.at(bytes_bucket, idx, batch["target_bytes"][scored])
+        np.add.at(tokens_bucket, idx, 1)
       systems[label] = {"nll_doc": nll_doc, "nll_bucket": nll_bucket,
                         "bytes_bucket": bytes_bucket, "tokens_bucket": tokens_bucket}
   report = _report(systems, doc_bytes, doc_tokens)
