@@ -33,6 +33,7 @@ from realm_jax.data.retro_batches import retro_batches
 from realm_jax.models.retro import RetroConfig, RetroModel, cca_layers, token_nll
 from realm_jax.retrieval.chunk_db import RetroDb, build_database
 from realm_jax.train import loop, memory
+from realm_jax.train.optimizer import default_warmup_steps
 from realm_jax.train.realm_step import loss_step
 
 MODELS = ("retro", "baseline")
@@ -113,7 +114,9 @@ def trainable(params, freeze_decoder: bool):
 
 
 def optimizer(config, params) -> tuple[optax.Schedule, optax.GradientTransformation]:
-  warmup = (min(10_000, max(100, config.num_steps // 10)) if config.warmup_steps < 0
+  """(schedule, AdamW): linear warmup (warmup_steps; -1: BERT's default) then cosine decay to
+  a tenth; b2 0.95; decay on kernels and embeddings; the frozen decoder gets no update."""
+  warmup = (default_warmup_steps(config.num_steps) if config.warmup_steps < 0
             else config.warmup_steps)
   warmup = min(warmup, config.num_steps - 1)
   schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, max(warmup, 1),
