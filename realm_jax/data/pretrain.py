@@ -445,6 +445,14 @@ class HostSlice(grain.MapDataset):
     return f"HostSlice(batch={self._b}, host={self._host}/{self._hosts})"
 
 
+def check_slice(shard_index: int, shard_count: int, seed: int) -> None:
+  """Refuses a host slice outside [0, shard_count) or a shuffle seed grain cannot take."""
+  if not 0 <= shard_index < shard_count:
+    raise ValueError(f"shard_index={shard_index} must be in [0, shard_count={shard_count}).")
+  if not 0 <= seed < 2**32:
+    raise ValueError(f"seed={seed} must be in [0, 2**32).")
+
+
 def pretrain_batches(examples_dir: str, split: str, *, batch_size: int, seed: int,
                      query_length: int, max_masked: int, tokenizer_ids: Sequence[int],
                      shard_index: int = 0, shard_count: int = 1, num_epochs: int | None = None,
@@ -478,10 +486,7 @@ def pretrain_batches(examples_dir: str, split: str, *, batch_size: int, seed: in
         f"The examples in {examples_dir} were built with query_length={manifest['query_length']}, "
         f"max_masked={manifest['max_masked']}, not {query_length}, {max_masked}: use the same "
         "values, or build examples with these in another directory.")
-  if not 0 <= shard_index < shard_count:
-    raise ValueError(f"shard_index={shard_index} must be in [0, shard_count={shard_count}).")
-  if not 0 <= seed < 2**32:
-    raise ValueError(f"seed={seed} must be in [0, 2**32).")
+  check_slice(shard_index, shard_count, seed)
   cls_id, sep_id, mask_id, pad_id = (int(i) for i in tokenizer_ids)
   source = grain.sources.ArrayRecordDataSource(
       os.path.join(io_utils.local_dir(examples_dir), f"{split}.array_record"))

@@ -16,7 +16,7 @@ import numpy as np
 
 from realm_jax import io_utils
 from realm_jax.data.chunks import SPLITS, decode_record
-from realm_jax.data.pretrain import HostSlice
+from realm_jax.data.pretrain import HostSlice, check_slice
 from realm_jax.retrieval.chunk_db import read_manifest
 
 
@@ -102,10 +102,7 @@ def retro_batches(db, split: str, *, batch_size: int, seed: int, shuffle: bool =
     raise ValueError(f"--config.model.num_neighbours={num_neighbours}: the chunk database in "
                      f"{directory} stores {stored} neighbours per chunk; read 1 to {stored}, or "
                      "build a database with more (--config.db.num_neighbours).")
-  if not 0 <= shard_index < shard_count:
-    raise ValueError(f"shard_index={shard_index} must be in [0, shard_count={shard_count}).")
-  if not 0 <= seed < 2**32:
-    raise ValueError(f"seed={seed} must be in [0, 2**32).")
+  check_slice(shard_index, shard_count, seed)
   ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(
       os.path.join(directory, f"{split}.array_record")))
   if limit is not None:

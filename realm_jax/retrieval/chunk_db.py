@@ -331,7 +331,7 @@ class RetroDb:
     self.chunk_length, self.seq_chunks = s["chunk_length"], s["seq_chunks"]
     self.num_neighbours = s["num_neighbours"]
     self.key_fingerprint = manifest["key_fingerprint"]
-    self._sources, self._tower = {}, None
+    self._sources, self._tower, self._documents = {}, None, {}
 
   @classmethod
   def open(cls, db_dir: str, *, verify: bool = True) -> "RetroDb":
@@ -367,8 +367,11 @@ class RetroDb:
     return self.manifest["counts"][self._split(split)]["chunks"]
 
   def documents(self, split: str) -> list[dict]:
-    """Per document of the split: title, where, bytes, tokens."""
-    return io_utils.read_json(os.path.join(self.directory, f"{self._split(split)}.documents.json"))
+    """Per document of the split: title, where, bytes, tokens (read once, then kept)."""
+    if split not in self._documents:
+      self._documents[split] = io_utils.read_json(
+          os.path.join(self.directory, f"{self._split(split)}.documents.json"))
+    return self._documents[split]
 
   def array(self, split: str, name: str) -> np.ndarray:
     """A split's memory-mapped array: "stream", "docs" [T], "keys" [N, D], "neighbours" [N, k]."""

@@ -35,14 +35,14 @@ class RetroLm:
     module = RetroModel(self.config)
     self._logits = jax.jit(lambda p, t, n, i: module.apply({"params": p}, t, n)[0, i])
 
-  def _retrieve(self, chunk: np.ndarray) -> tuple[np.ndarray, Evidence]:
-    """Neighbours [K, R] of one complete chunk [m], and the evidence."""
+  def _retrieve(self, chunk: np.ndarray) -> tuple[np.ndarray, list[dict]]:
+    """Neighbours [K, R] of one complete chunk [m], and what each is (Evidence.neighbours)."""
     k = self.config.num_neighbours
     scores, ids = self.index.search(self.db.embed_keys(chunk[None]), k)
     values = self.db.values(ids[0])                                 # [K, R]
     tok = self.db.tokenizer
     found = [{"chunk_id": int(i), "score": float(s), "title": self.db.chunk_title(int(i)),
-              "text": tok.decode([t for t in v if t not in (tok.pad_id,)])}
+              "text": tok.decode(v)}
              for i, s, v in zip(ids[0], scores[0], values)]
     return values, found
 

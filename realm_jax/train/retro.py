@@ -173,7 +173,7 @@ class RetroTrainer(loop.TrainLoop):
     if not self.heldout:
       raise ValueError(f"The chunk database in {db.directory} has no held-out sequences: raise "
                        "--config.db.heldout_percent.")
-    module, retrieval = self.module, retrieval
+    module = self.module
     self.eval_fn = self.jit_eval(lambda p, b: sequence_loss(module, p, b, retrieval)[1])
     if retrieval:
       self.eval_off = self.jit_eval(lambda p, b: sequence_loss(module, p, b, False)[1])
