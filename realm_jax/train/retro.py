@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from realm_jax import config_checks, workdir_lock
+from realm_jax import config_checks, distributed, workdir_lock
 from realm_jax.checkpoints import retro_export
 from realm_jax.data.retro_batches import retro_batches
 from realm_jax.models.retro import RetroConfig, RetroModel, cca_layers, token_nll
@@ -238,6 +238,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   held-out evaluation of them all; returns the evaluation report."""
   from realm_jax.eval import retro as retro_eval
   check_settings(config, workdir)
+  if config.distributed:  # before the database's embedding, the first JAX work (loop.train's
+    distributed.initialize()  # own call then finds it done)
   with workdir_lock.hold(workdir):  # one writer of the database and the report
     db = build_database(config.db, database_dir(config, workdir))
     for name in config.models:
