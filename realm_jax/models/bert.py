@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from realm_jax.models.config import RealmConfig
+from realm_jax.models.dropout import Dropout, Rows
 
 Array = jax.Array
 
@@ -51,22 +52,24 @@ class BertEmbeddings(nn.Module):
     self.position_embeddings = embed(c.max_position_embeddings)
     self.token_type_embeddings = embed(c.type_vocab_size)
     self.LayerNorm = layer_norm(c.layer_norm_eps, "LayerNorm")
-    self.dropout = nn.Dropout(c.hidden_dropout_prob)
+    self.dropout = Dropout(c.hidden_dropout_prob)
 
-  def __call__(self, input_ids: Array, token_type_ids: Array, deterministic: bool) -> Array:
+  def __call__(self, input_ids: Array, token_type_ids: Array, deterministic: bool,
+               rows: Rows | None = None) -> Array:
     seq_len = input_ids.shape[-1]
     positions = jnp.arange(seq_len)
     x = (self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
          + self.position_embeddings(positions))
     x = self.LayerNorm(x).astype(self.config.compute_dtype)
-    return self.dropout(x, deterministic=deterministic)
+    return self.dropout(x, deterministic, rows)
 
 
 class BertSelfAttention(nn.Module):
   config: RealmConfig
 
   @nn.compact
-  def __call__(self, x: Array, mask_bias: Array, deterministic: bool) -> Array:
+  def __call__(self, x: Array, mask_bias: Array, deterministic: bool,
+               rows: Rows | None = None) -> Array:
     """x [B, L, H], mask_bias [B, 1, 1, L] -> [B, L, H]."""
     c = self.config
     heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
@@ -79,7 +82,7 @@ class BertSelfAttention(nn.Module):
     q = q / jnp.sqrt(head_dim).astype(q.dtype)
     scores = jnp.einsum("bnqd,bnkd->bnqk", q, k).astype(jnp.float32)  # [B, N, Lq, Lk]
     probs = jax.nn.softmax(scores + mask_bias, axis=-1)
-    probs = nn.Dropout(c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
+    probs = Dropout(c.attention_probs_dropout_prob)(probs, deterministic, rows)
     ctx = jnp.einsum("bnqk,bnkd->bnqd", probs.astype(v.dtype), v)   # [B, N, Lq, Dh]
     return ctx.transpose(0, 2, 1, 3).reshape(*x.shape[:-1], c.hidden_size)
 
@@ -90,9 +93,10 @@ class BertOutput(nn.Module):
   features: int
 
   @nn.compact
-  def __call__(self, x: Array, residual: Array, deterministic: bool) -> Array:
+  def __call__(self, x: Array, residual: Array, deterministic: bool,
+               rows: Rows | None = None) -> Array:
     c = self.config
-    x = nn.Dropout(c.hidden_dropout_prob)(dense(c, self.features, "dense")(x), deterministic)
+    x = Dropout(c.hidden_dropout_prob)(dense(c, self.features, "dense")(x), deterministic, rows)
     return layer_norm(c.layer_norm_eps, "LayerNorm")(x + residual).astype(c.compute_dtype)
 
 
@@ -100,9 +104,11 @@ class BertAttention(nn.Module):
   config: RealmConfig
 
   @nn.compact
-  def __call__(self, x: Array, mask_bias: Array, deterministic: bool) -> Array:
-    ctx = BertSelfAttention(self.config, name="self")(x, mask_bias, deterministic)
-    return BertOutput(self.config, self.config.hidden_size, name="output")(ctx, x, deterministic)
+  def __call__(self, x: Array, mask_bias: Array, deterministic: bool,
+               rows: Rows | None = None) -> Array:
+    ctx = BertSelfAttention(self.config, name="self")(x, mask_bias, deterministic, rows)
+    return BertOutput(self.config, self.config.hidden_size, name="output")(ctx, x, deterministic,
+                                                                          rows)
 
 
 class BertIntermediate(nn.Module):
@@ -118,22 +124,24 @@ class BertLayer(nn.Module):
   config: RealmConfig
 
   @nn.compact
-  def __call__(self, x: Array, mask_bias: Array, deterministic: bool) -> Array:
+  def __call__(self, x: Array, mask_bias: Array, deterministic: bool,
+               rows: Rows | None = None) -> Array:
     c = self.config
-    x = BertAttention(c, name="attention")(x, mask_bias, deterministic)
+    x = BertAttention(c, name="attention")(x, mask_bias, deterministic, rows)
     h = BertIntermediate(c, name="intermediate")(x)
-    return BertOutput(c, c.hidden_size, name="output")(h, x, deterministic)
+    return BertOutput(c, c.hidden_size, name="output")(h, x, deterministic, rows)
 
 
 class BertEncoder(nn.Module):
   config: RealmConfig
 
   @nn.compact
-  def __call__(self, x: Array, mask_bias: Array, deterministic: bool) -> Array:
+  def __call__(self, x: Array, mask_bias: Array, deterministic: bool,
+               rows: Rows | None = None) -> Array:
     # static_argnums counts `self`: `deterministic` is argument 3 and picks the code path.
     layer = nn.remat(BertLayer, static_argnums=(3,)) if self.config.remat else BertLayer
     for i in range(self.config.num_hidden_layers):
-      x = layer(self.config, name=f"layer_{i}")(x, mask_bias, deterministic)
+      x = layer(self.config, name=f"layer_{i}")(x, mask_bias, deterministic, rows)
     return x
 
 
@@ -167,6 +175,8 @@ class BertModel(nn.Module):
 
   Inputs may have any number of leading batch dimensions ([B, L], [B, K, L], ...).
   `attention_mask` is 1 for real tokens and 0 for padding; `token_type_ids` are segment ids.
+  `dropout_rows`: the inputs are these rows of a larger batch (rows of the leading dimension, or
+  of the leading dimensions flattened): dropout drops what it drops there (realm_jax/models/dropout.py).
   """
   config: RealmConfig
   add_pooling_layer: bool = True
@@ -178,7 +188,8 @@ class BertModel(nn.Module):
       self.pooler = BertPooler(self.config)
 
   def __call__(self, input_ids: Array, attention_mask: Array | None = None,
-               token_type_ids: Array | None = None, deterministic: bool = True):
+               token_type_ids: Array | None = None, deterministic: bool = True,
+               dropout_rows: Rows | None = None):
     if input_ids.shape[-1] > self.config.max_position_embeddings:
       raise ValueError(
           f"Input length {input_ids.shape[-1]} exceeds max_position_embeddings="
@@ -191,16 +202,20 @@ class BertModel(nn.Module):
     ids, types, mask = (t.reshape(-1, seq_len) for t in (input_ids, token_type_ids, attention_mask))
     rows = ids.shape[0]
     n = num_chunks(rows, seq_len, self.config.chunk_tokens)
-    trunk = lambda i, t, m: self.encoder(self.embeddings(i, t, deterministic), attention_bias(m),
-                                         deterministic)
+    if dropout_rows is not None and dropout_rows.ids.shape[0] != rows:
+      dropout_rows = dropout_rows.of_groups(rows // dropout_rows.ids.shape[0])
+    trunk = lambda i, t, m, r: self.encoder(self.embeddings(i, t, deterministic, r),
+                                            attention_bias(m), deterministic, r)
     if n == 1:
-      x = trunk(ids, types, mask)
+      x = trunk(ids, types, mask, dropout_rows)
     else:
       # Chunk c holds rows c, c + n, c + 2n, ...: a batch sharded along its rows keeps that
       # sharding in every chunk (when each device's rows split evenly into the n chunks), so no
       # chunk moves data between devices.
       part = lambda t, c: t.reshape(rows // n, n, seq_len)[:, c]
-      x = jnp.stack([trunk(part(ids, c), part(types, c), part(mask, c)) for c in range(n)], axis=1)
+      part_rows = lambda c: None if dropout_rows is None else dropout_rows.strided(n, c)
+      x = jnp.stack([trunk(part(ids, c), part(types, c), part(mask, c), part_rows(c))
+                     for c in range(n)], axis=1)
       x = x.reshape(rows, seq_len, -1)
     pooled = self.pooler(x) if self.add_pooling_layer else None
     x = x.reshape(*lead, seq_len, -1)

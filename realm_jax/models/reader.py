@@ -17,6 +17,7 @@ import numpy as np
 
 from realm_jax.models.bert import BertModel, dense, layer_norm
 from realm_jax.models.config import RealmConfig
+from realm_jax.models.dropout import Rows
 
 Array = jax.Array
 
@@ -65,6 +66,7 @@ class RealmReader(nn.Module):
 
   Returns a dict: `span_logits` [B, R, N] (retriever logit added; invalid spans at float32 min),
   `span_valid` [B, R, N], and the host arrays `starts`, `ends` [N] of token positions.
+  `dropout_rows`: the B questions are these of a larger batch (their dropout masks are theirs there).
   """
   config: RealmConfig
 
@@ -73,12 +75,14 @@ class RealmReader(nn.Module):
     self.qa_outputs = SpanScorer(self.config)
 
   def __call__(self, input_ids: Array, attention_mask: Array, token_type_ids: Array,
-               block_mask: Array, retriever_logits: Array, deterministic: bool = True):
+               block_mask: Array, retriever_logits: Array, deterministic: bool = True,
+               dropout_rows: Rows | None = None):
     if input_ids.shape[-1] < self.config.max_span_width:
       raise ValueError(
           f"Reader input length {input_ids.shape[-1]} is shorter than max_span_width="
           f"{self.config.max_span_width}.")
-    sequence, _ = self.realm(input_ids, attention_mask, token_type_ids, deterministic)
+    sequence, _ = self.realm(input_ids, attention_mask, token_type_ids, deterministic,
+                             dropout_rows)
     span_logits, valid, starts, ends = self.qa_outputs(sequence, block_mask)
     span_logits = jnp.where(valid, span_logits + retriever_logits[..., None].astype(jnp.float32),
                             _NEG)

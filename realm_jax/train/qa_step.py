@@ -36,9 +36,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from realm_jax.models.dropout import Rows
 from realm_jax.models.open_qa import QaModels, bert_inputs, qa_beam_logits, whole_word_spans
-from realm_jax.models.reader import correct_spans, marginal_nll, reader_losses
-from realm_jax.train.realm_step import TrainState, loss_step
+from realm_jax.models.reader import correct_spans, marginal_nll
+from realm_jax.train.realm_step import TrainState, grads_step
 
 Array = jax.Array
 
@@ -57,13 +58,74 @@ def frozen_span_offset(reader_params: dict) -> dict:
   return {**reader_params, "qa_outputs": {**head, "dense_output": out}}
 
 
+_READER_KEYS = ("reader", "block_mask", "word_start", "word_end", "gold_starts", "gold_ends")
+
+
+def reader_part(reader_params, read_logits: Array, batch: dict, models: QaModels,
+                dropout_rng: Array | None = None, rows: Rows | None = None):
+  """The reader's share of the loss: (sum over the batch's questions of their reader loss, sums).
+
+  `read_logits` [B, R]: the retriever logits of the read blocks (part of each span's logit);
+  `batch` holds the reader keys of `qa_loss`'s batch and `read_mask` [B, R] (real beam blocks).
+  `rows`: these B questions are those rows of the step's batch (their dropout masks are theirs).
+  Returns sums `reader_loss_sum`, `answer_in_read`, `reader_correct`.
+  """
+  b, r = batch["reader"]["input_ids"].shape[:2]
+  out = models.reader.apply(
+      {"params": frozen_span_offset(reader_params)}, *bert_inputs(batch["reader"]),
+      batch["block_mask"], read_logits, dropout_rng is None,
+      rngs=None if dropout_rng is None else {"dropout": dropout_rng}, dropout_rows=rows)
+  span_logits, span_valid = whole_word_spans(out, batch)
+  span_correct = correct_spans(out["starts"], out["ends"], batch["gold_starts"],
+                               batch["gold_ends"])                                  # [B, R, N]
+  span_correct &= span_valid & (batch["read_mask"][..., None] > 0)
+  flat_logits, flat_correct = span_logits.reshape(b, -1), span_correct.reshape(b, -1)
+  loss = jnp.sum(marginal_nll(flat_logits, flat_correct))
+  best = jnp.argmax(flat_logits, axis=-1)                                          # [B]
+  hit = jnp.take_along_axis(flat_correct, best[:, None], axis=-1)[:, 0]
+  f32 = lambda x: jnp.sum(x.astype(jnp.float32))
+  return loss, {"reader_loss_sum": loss, "answer_in_read": f32(jnp.any(flat_correct, axis=-1)),
+                "reader_correct": f32(hit)}
+
+
+def _reader_batch(batch: dict) -> dict:
+  """What `reader_part` reads of a step's batch."""
+  r = batch["reader"]["input_ids"].shape[1]
+  return {**{k: batch[k] for k in _READER_KEYS if k in batch}, "read_mask": batch["beam_mask"][:, :r]}
+
+
+def _retriever_part(beam_logits: Array, batch: dict) -> tuple[Array, dict]:
+  """(sum of the retriever losses, sums) from the beam's logits [B, Z]."""
+  has_answer = (batch["beam_has_answer"] > 0) & (batch["beam_mask"] > 0)            # [B, Z]
+  loss = jnp.sum(marginal_nll(beam_logits, has_answer))
+  return loss, {"retriever_loss_sum": loss,
+                "questions": jnp.asarray(beam_logits.shape[0], jnp.float32),
+                "has_answer": jnp.sum(jnp.any(has_answer, axis=-1).astype(jnp.float32))}
+
+
+def _check_read(batch: dict, beam: int) -> int:
+  r = batch["reader"]["input_ids"].shape[1]
+  if r > beam:
+    raise ValueError(f"The batch has {r} read blocks per question but a beam of only "
+                     f"{beam}; the read blocks must be the beam's first R <= Z.")
+  return r
+
+
+def _total(retriever: tuple[Array, dict], reader: tuple[Array, dict] | None) -> tuple[Array, dict]:
+  zero = jnp.zeros((), jnp.float32)
+  reader_loss, reader_sums = reader if reader is not None else (
+      zero, {"reader_loss_sum": zero, "answer_in_read": zero, "reader_correct": zero})
+  loss = retriever[0] + reader_loss
+  return loss, {"loss_sum": loss, **retriever[1], **reader_sums}
+
+
 def qa_loss(params, batch, models: QaModels, dropout_rng: Array | None = None):
   """Sum over the batch of each question's retriever + reader loss; dropout iff `dropout_rng`.
 
   A question without an answer in its beam adds 0 retriever loss (ORQA), and one without a gold
-  span in its read blocks adds 0 reader loss (`reader_losses`' convention: `marginal_nll` is 0
-  where nothing is correct, with a zero gradient). The loss is a sum, not a mean, so that a batch
-  of B questions gives exactly the gradient of B batch-size-1 steps added together.
+  span in its read blocks adds 0 reader loss (`marginal_nll` is 0 where nothing is correct, with a
+  zero gradient). The loss is a sum, not a mean, so that a batch of B questions gives exactly the
+  gradient of B batch-size-1 steps added together.
 
   Returns:
     (loss [], sums) with sums over the batch: `loss_sum`, `retriever_loss_sum`, `reader_loss_sum`,
@@ -72,43 +134,55 @@ def qa_loss(params, batch, models: QaModels, dropout_rng: Array | None = None):
   """
   rngs = None if dropout_rng is None else jax.random.split(dropout_rng, 2)
   beam_logits = qa_beam_logits(params, batch, models, None if rngs is None else rngs[0])
-  beam_mask = batch["beam_mask"] > 0
-  has_answer = (batch["beam_has_answer"] > 0) & beam_mask                          # [B, Z]
+  retriever = _retriever_part(beam_logits, batch)
   if "reader" not in batch:  # retriever-only batch: the question tower alone learns
-    retriever_loss = marginal_nll(beam_logits, has_answer)
-    loss = jnp.sum(retriever_loss)
-    zero = jnp.zeros((), jnp.float32)
-    return loss, {"loss_sum": loss, "retriever_loss_sum": loss, "reader_loss_sum": zero,
-                  "questions": jnp.asarray(beam_logits.shape[0], jnp.float32),
-                  "has_answer": jnp.sum(jnp.any(has_answer, axis=-1).astype(jnp.float32)),
-                  "answer_in_read": zero, "reader_correct": zero}
-  b, r = batch["reader"]["input_ids"].shape[:2]
-  if r > beam_logits.shape[1]:
-    raise ValueError(f"The batch has {r} read blocks per question but a beam of only "
-                     f"{beam_logits.shape[1]}; the read blocks must be the beam's first R <= Z.")
-  out = models.reader.apply(
-      {"params": frozen_span_offset(params["reader"])}, *bert_inputs(batch["reader"]),
-      batch["block_mask"], beam_logits[:, :r], rngs is None,
-      rngs=None if rngs is None else {"dropout": rngs[1]})
-  span_logits, span_valid = whole_word_spans(out, batch)
-  span_correct = correct_spans(out["starts"], out["ends"], batch["gold_starts"],
-                               batch["gold_ends"])                                  # [B, R, N]
-  span_correct &= span_valid & beam_mask[:, :r, None]
-  losses = reader_losses(beam_logits, has_answer, span_logits, span_correct)
-  loss = jnp.sum(losses["retriever_loss"] + losses["reader_loss"])
-  flat_correct = span_correct.reshape(b, -1)
-  best = jnp.argmax(span_logits.reshape(b, -1), axis=-1)                           # [B]
-  hit = jnp.take_along_axis(flat_correct, best[:, None], axis=-1)[:, 0]
-  f32 = lambda x: jnp.sum(x.astype(jnp.float32))
-  return loss, {
-      "loss_sum": loss,
-      "retriever_loss_sum": jnp.sum(losses["retriever_loss"]),
-      "reader_loss_sum": jnp.sum(losses["reader_loss"]),
-      "questions": jnp.asarray(b, jnp.float32),
-      "has_answer": f32(jnp.any(has_answer, axis=-1)),
-      "answer_in_read": f32(jnp.any(flat_correct, axis=-1)),
-      "reader_correct": f32(hit),
-  }
+    return _total(retriever, None)
+  r = _check_read(batch, beam_logits.shape[1])
+  reader = reader_part(params["reader"], beam_logits[:, :r], _reader_batch(batch), models,
+                       None if rngs is None else rngs[1])
+  return _total(retriever, reader)
+
+
+def qa_loss_and_grads(params, batch, models: QaModels, dropout_rng: Array | None = None,
+                      pieces: int = 1):
+  """(qa_loss(...), its gradient), with the reader run on `pieces` parts of the batch in turn.
+
+  The reader's activations are what fine-tuning's memory is made of (B x R blocks of L word pieces
+  through a BERT, kept for the backward pass): in pieces, only one piece's are alive at a time, and
+  its gradient is added up over the pieces (the loss is a sum over questions). Piece p holds the
+  questions p, p + pieces, p + 2 pieces, ...: each device's questions split evenly into the pieces,
+  so no piece moves data between devices. Dropout drops what it drops in the whole batch's call
+  (realm_jax/models/dropout.py), so pieces change the result only by the order of the sums.
+  """
+  if pieces == 1 or "reader" not in batch:
+    return jax.value_and_grad(qa_loss, has_aux=True)(params, batch, models, dropout_rng)
+  rngs = None if dropout_rng is None else jax.random.split(dropout_rng, 2)
+  beam_logits, beam_vjp = jax.vjp(
+      lambda p: qa_beam_logits({"query_tower": p}, batch, models,
+                               None if rngs is None else rngs[0]), params["query_tower"])
+  retriever, d_beam = jax.value_and_grad(_retriever_part, has_aux=True)(beam_logits, batch)
+  b, r = beam_logits.shape[0], _check_read(batch, beam_logits.shape[1])
+  if b % pieces:
+    raise ValueError(f"{b} questions do not split into {pieces} pieces.")
+  # [B, ...] -> [pieces, B / pieces, ...], piece p = questions p, p + pieces, ...
+  split = lambda x: x.reshape(b // pieces, pieces, *x.shape[1:]).swapaxes(0, 1)
+  xs = jax.tree.map(split, (_reader_batch(batch), beam_logits[:, :r], jnp.arange(b)))
+  grad_fn = jax.value_and_grad(reader_part, argnums=(0, 1), has_aux=True)
+
+  def piece(acc, x):
+    part, logits, ids = x
+    (_, sums), (d_reader, d_logits) = grad_fn(params["reader"], logits, part, models,
+                                              None if rngs is None else rngs[1], Rows(ids, b))
+    return jax.tree.map(jnp.add, acc, (sums, d_reader)), d_logits
+
+  zero = jnp.zeros((), jnp.float32)
+  zeros = ({k: zero for k in ("reader_loss_sum", "answer_in_read", "reader_correct")},
+           jax.tree.map(jnp.zeros_like, params["reader"]))
+  (reader_sums, d_reader), d_read = jax.lax.scan(piece, zeros, xs)
+  d_beam = d_beam.at[:, :r].add(d_read.swapaxes(0, 1).reshape(b, r))
+  (d_query,) = beam_vjp(d_beam)
+  loss_and_sums = _total(retriever, (reader_sums["reader_loss_sum"], reader_sums))
+  return loss_and_sums, {"query_tower": d_query, "reader": d_reader}
 
 
 def summarize_qa(sums: dict) -> dict[str, float]:
@@ -129,11 +203,14 @@ def summarize_qa(sums: dict) -> dict[str, float]:
 
 
 def qa_train_step(state: TrainState, batch: dict, rng: Array, *,
-                  models: QaModels, dropout: bool = True) -> tuple[TrainState, dict]:
+                  models: QaModels, dropout: bool = True,
+                  pieces: int = 1) -> tuple[TrainState, dict]:
   """One AdamW update of the question tower and the reader; pure, so it jits with the state
-  donated. `state.params` = `qa_params(...)`. A non-finite step changes nothing and reports
-  `skipped` = 1 (`guarded_update`)."""
-  return loss_step(state, lambda p, r: qa_loss(p, batch, models, r), rng, dropout)
+  donated. `state.params` = `qa_params(...)`. The reader reads the batch in `pieces` parts
+  (`qa_loss_and_grads`). A non-finite step changes nothing and reports `skipped` = 1
+  (`guarded_update`)."""
+  return grads_step(state, lambda p, r: qa_loss_and_grads(p, batch, models, r, pieces), rng,
+                    dropout)
 
 
 def qa_eval_step(params, batch: dict, *, models: QaModels) -> dict:

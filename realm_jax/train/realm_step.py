@@ -173,8 +173,14 @@ def loss_step(state: TrainState, loss_fn, rng: Array, dropout: bool = True):
   """The update shared by every trainer: `loss_fn(params, dropout_rng) -> (loss, stats)` is
   differentiated, the step's dropout key is `rng` folded with the step (None without dropout),
   and `guarded_update` applies the gradient. Returns (state, {**stats, grad_norm, skipped})."""
+  return grads_step(state, jax.value_and_grad(loss_fn, has_aux=True), rng, dropout)
+
+
+def grads_step(state: TrainState, grads_fn, rng: Array, dropout: bool = True):
+  """`loss_step` for a loss whose gradient is computed by `grads_fn(params, dropout_rng) ->
+  ((loss, stats), grads)` (e.g. accumulated over pieces of the batch)."""
   dropout_rng = jax.random.fold_in(rng, state.step) if dropout else None
-  (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, dropout_rng)
+  (loss, stats), grads = grads_fn(state.params, dropout_rng)
   state, update_stats = guarded_update(state, loss, grads)
   return state, {**stats, **update_stats}
 
