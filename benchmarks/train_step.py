@@ -86,6 +86,9 @@ def parse_args():
   p.add_argument("--chunk_tokens", type=int, default=None,
                  help="realm_jax: run each BERT call over at most this many tokens at a time "
                       "(RealmConfig.chunk_tokens); default 2048 on CPU, 0 (off) on accelerators")
+  p.add_argument("--microbatch", type=int, default=0,
+                 help="realm_jax: examples at a time through the step, gradients added up "
+                      "(config.microbatch; 0 = the whole batch); needs --chunk_tokens=0")
   p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                  help="torch.set_num_threads (default: the cores this process may use)")
   p.add_argument("--torch_device", default="cpu", help="cpu or cuda")
@@ -308,8 +311,9 @@ def run_jax(args, params, hf_cfg, batch) -> dict:
                           args.steps)
     del initial
   state = TrainState.create(apply_fn=None, params=jax.device_put(params), tx=tx)
-  fn = jax.jit(functools.partial(train_step, models=models, dropout=not args.no_dropout),
-               donate_argnums=0)
+  pieces = args.batch_size // args.microbatch if args.microbatch else 1
+  fn = jax.jit(functools.partial(train_step, models=models, dropout=not args.no_dropout,
+                                 pieces=pieces), donate_argnums=0)
   start = time.perf_counter()
   step = fn.lower(state, batch, rng).compile()
   out["compile_s"] = time.perf_counter() - start
@@ -342,7 +346,9 @@ def main():
   backend = jax.default_backend()
   on_gpu = backend == "gpu"
   if args.chunk_tokens is None:
-    args.chunk_tokens = 2048 if backend == "cpu" else 0
+    args.chunk_tokens = 2048 if backend == "cpu" and not args.microbatch else 0
+  if args.microbatch and (args.chunk_tokens or args.batch_size % args.microbatch):
+    raise SystemExit("error: --microbatch must divide --batch_size, with --chunk_tokens=0")
   torch_device = args.torch_device
   run_hf = not on_gpu or (torch_device == "cuda" and torch.cuda.is_available())
   if torch_device == "cuda" and not torch.cuda.is_available():
@@ -371,7 +377,8 @@ def main():
   print("host allocator: " + ("glibc keeps freed blocks (--keep_freed_memory)"
                               if args.keep_freed_memory else "glibc defaults (mmap + trim)"))
   print(f"dropout {'off' if args.no_dropout else 'on'}; AdamW lr {args.lr:g} wd 0.01 eps 1e-6, "
-        f"clip 1.0; realm_jax dtype {args.dtype}, chunk_tokens {args.chunk_tokens}; "
+        f"clip 1.0; realm_jax dtype {args.dtype}, chunk_tokens {args.chunk_tokens}, "
+        f"microbatch {args.microbatch or args.batch_size}; "
         f"{args.steps} timed steps each")
   print(f"model FLOPs per step {flops / 1e12:.3f} TFLOP (3 x forward); the HF all-positions MLM "
         f"head adds {hf_extra / 1e12:.3f} TFLOP ({hf_extra / flops:.0%})")

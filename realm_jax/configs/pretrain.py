@@ -52,6 +52,10 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.dtype = "float32"             # compute dtype: float32 | bfloat16
   c.remat = False                 # recompute each layer in the backward pass (less memory)
   c.chunk_tokens = 0              # >0: BERT calls in chunks of <= this many tokens (CPU: ~2048)
+  # >0: each device runs this many of its examples at a time through the step (forward and
+  # backward) and adds up their gradients: activations shrink by (batch per device / this); the
+  # step's result changes only by the order of its sums. 0: the whole batch at once.
+  c.microbatch = 0
 
   c.corpus = ml_collections.ConfigDict(dict(
       source="wiki_vital", paths=(), block_length=288, blocking="sentences", max_docs=0,

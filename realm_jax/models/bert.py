@@ -204,6 +204,10 @@ class BertModel(nn.Module):
     n = num_chunks(rows, seq_len, self.config.chunk_tokens)
     if dropout_rows is not None and dropout_rows.ids.shape[0] != rows:
       dropout_rows = dropout_rows.of_groups(rows // dropout_rows.ids.shape[0])
+    if dropout_rows is not None and n > 1 and not deterministic:
+      # Each chunk draws its own dropout keys, which a part of the batch cannot reproduce.
+      raise ValueError("Dropout on some rows of a batch (a step in pieces) does not combine with "
+                       "chunk_tokens: set chunk_tokens=0 (the pieces keep the calls small).")
     trunk = lambda i, t, m, r: self.encoder(self.embeddings(i, t, deterministic, r),
                                             attention_bias(m), deterministic, r)
     if n == 1:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from realm_jax.models.bert import BertModel, activation, dense, layer_norm
 from realm_jax.models.config import RealmConfig
+from realm_jax.models.dropout import Rows
 
 Array = jax.Array
 
@@ -62,8 +63,10 @@ class KnowledgeAugEncoder(nn.Module):
     self.cls = MLMHead(self.config)
 
   def __call__(self, input_ids: Array, attention_mask: Array, token_type_ids: Array,
-               mlm_positions: Array | None = None, deterministic: bool = True) -> Array:
-    sequence, _ = self.realm(input_ids, attention_mask, token_type_ids, deterministic)
+               mlm_positions: Array | None = None, deterministic: bool = True,
+               dropout_rows: Rows | None = None) -> Array:
+    sequence, _ = self.realm(input_ids, attention_mask, token_type_ids, deterministic,
+                             dropout_rows)
     if mlm_positions is not None:
       # sequence [B, K, L, H], positions [B, M] -> [B, K, M, H]
       idx = mlm_positions[:, None, :, None]

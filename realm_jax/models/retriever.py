@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from realm_jax.models.bert import BertModel, dense, layer_norm, mean_pool
 from realm_jax.models.config import RealmConfig
+from realm_jax.models.dropout import Rows
 
 Array = jax.Array
 
@@ -49,8 +50,9 @@ class RealmEmbedder(nn.Module):
       self.cls = RealmProjection(self.config)
 
   def __call__(self, input_ids: Array, attention_mask: Array, token_type_ids: Array,
-               deterministic: bool = True) -> Array:
-    sequence, pooled = self.realm(input_ids, attention_mask, token_type_ids, deterministic)
+               deterministic: bool = True, dropout_rows: Rows | None = None) -> Array:
+    sequence, pooled = self.realm(input_ids, attention_mask, token_type_ids, deterministic,
+                                  dropout_rows)
     if self.pooling == "projected_cls":
       emb = self.cls(pooled)
     else:
@@ -87,15 +89,17 @@ class RealmRetriever(nn.Module):
     if not self.share_embedders:
       self.query_embedder = RealmEmbedder(self.config, self.pooling, self.normalize)
 
-  def embed_queries(self, input_ids, attention_mask, token_type_ids, deterministic=True) -> Array:
+  def embed_queries(self, input_ids, attention_mask, token_type_ids, deterministic=True,
+                    dropout_rows: Rows | None = None) -> Array:
     tower = self.embedder if self.share_embedders else self.query_embedder
     if self.query_ignore_id >= 0:
       attention_mask = attention_mask * (input_ids != self.query_ignore_id).astype(
           attention_mask.dtype)
-    return tower(input_ids, attention_mask, token_type_ids, deterministic)
+    return tower(input_ids, attention_mask, token_type_ids, deterministic, dropout_rows)
 
-  def embed_documents(self, input_ids, attention_mask, token_type_ids, deterministic=True) -> Array:
-    return self.embedder(input_ids, attention_mask, token_type_ids, deterministic)
+  def embed_documents(self, input_ids, attention_mask, token_type_ids, deterministic=True,
+                      dropout_rows: Rows | None = None) -> Array:
+    return self.embedder(input_ids, attention_mask, token_type_ids, deterministic, dropout_rows)
 
   def __call__(self, query: dict[str, Array], candidates: dict[str, Array],
                deterministic: bool = True):

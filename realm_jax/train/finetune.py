@@ -105,18 +105,6 @@ def check_counts(config) -> None:
       raise ValueError(f"--config.{key}={value}: must be at least 0 (0 = {meaning}).")
 
 
-def reader_pieces(config, devices: int) -> int:
-  """How many pieces each step's reader reads the batch in (config.reader_microbatch questions per
-  device each); ValueError when they do not divide the batch per device."""
-  per_device = config.batch_size // devices
-  micro = config.reader_microbatch
-  if micro < 0 or (micro and per_device % micro):
-    raise ValueError(f"--config.reader_microbatch={micro} must be 0 (the whole batch at once) or "
-                     f"divide the {per_device} questions per device (--config.batch_size="
-                     f"{config.batch_size} over {devices} devices).")
-  return per_device // micro if micro else 1
-
-
 class QaTrainer(loop.TrainLoop):
   """A fine-tuning run (realm_jax/train/loop.py): `run()` trains to config.num_steps, evaluating
   on dev and keeping the best parameters in best/."""
@@ -129,7 +117,7 @@ class QaTrainer(loop.TrainLoop):
   def __init__(self, config, workdir: str):
     check_counts(config)
     super().__init__(config, workdir)
-    pieces = reader_pieces(config, jax.device_count())
+    pieces = loop.microbatch_pieces(config, "reader_microbatch", jax.device_count())
     if config.reader_blocks > config.beam:
       raise ValueError(f"--config.reader_blocks={config.reader_blocks} is more than "
                        f"--config.beam={config.beam}: the read blocks are the beam's first ones.")
@@ -162,6 +150,7 @@ class QaTrainer(loop.TrainLoop):
     self.start(self.setup.init_params, tx,
                functools.partial(qa_train_step, models=self.setup.models, dropout=config.dropout,
                                  pieces=pieces))
+    self.setup.init_params = None  # in the state now; kept, they would hold a second copy
 
   # --------------------------------------------------------------------------------- data
   def _order(self, epoch: int) -> np.ndarray:

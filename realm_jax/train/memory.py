@@ -85,14 +85,15 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
   counts = count_params(config, mc)
   p = sum(counts.values())
   b = -(-config.batch_size // devices)  # examples per device
+  micro = config.get("microbatch", 0) or b  # examples alive at once (the step's pieces)
   k, act = config.num_candidates, 2 if config.dtype == "bfloat16" else 4
   from realm_jax.train.init import make_models, retriever_model_config
   rc = retriever_model_config(config, mc)  # the retriever may keep fewer layers
   activations = (
-      _bert_activations(b * config.query_length, config.query_length, rc, act)
-      + _bert_activations(b * k * config.doc_length, config.doc_length, rc, act)
-      + _bert_activations(b * k * config.joint_length, config.joint_length, mc, act)
-      + 2 * b * k * config.max_masked * mc.vocab_size * 4)
+      _bert_activations(micro * config.query_length, config.query_length, rc, act)
+      + _bert_activations(micro * k * config.doc_length, config.doc_length, rc, act)
+      + _bert_activations(micro * k * config.joint_length, config.joint_length, mc, act)
+      + 2 * micro * k * config.max_masked * mc.vocab_size * 4)
   shard_rows = -(-index_rows // devices)
   # Mean pooling (MiniLM, or config.pooling="mean" of random models) embeds to the hidden size.
   mean = make_models(config, mc).retriever.pooling == "mean"

@@ -52,6 +52,11 @@ class Trainer(loop.TrainLoop):
     if config.index.refresh not in REFRESH_MODES:
       raise ValueError(f"--config.index.refresh={config.index.refresh!r}: use one of {REFRESH_MODES}.")
     super().__init__(config, workdir)
+    pieces = loop.microbatch_pieces(config, "microbatch", jax.device_count())
+    if pieces > 1 and config.chunk_tokens and config.dropout:
+      raise ValueError(f"--config.microbatch={config.microbatch} with --config.chunk_tokens="
+                       f"{config.chunk_tokens}: set --config.chunk_tokens=0 (the pieces keep each "
+                       "BERT call small already; with dropout the two cannot be combined).")
     # The weights, the corpus files and the index settings are checked before config.json is
     # written: a config refused for a typo must not become the workdir's and refuse the fixed one.
     self.models, self.model_config, vocab = build_models(config)
@@ -90,7 +95,8 @@ class Trainer(loop.TrainLoop):
     self._saved_index_paths = collections.deque(maxlen=config.keep_checkpoints + 1)
     self.watcher = None
     self.start(init_params(config, self.models, self.model_config, jax.random.key(config.seed)),
-               tx, functools.partial(train_step, models=self.models, dropout=config.dropout))
+               tx, functools.partial(train_step, models=self.models, dropout=config.dropout,
+                                     pieces=pieces))
 
   # ---------------------------------------------------------------------------------- data
   def _batches(self, split: str, seed: int, num_epochs=None):

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from realm_jax.models.dropout import Rows
 from realm_jax.models.open_qa import QaModels, bert_inputs, qa_beam_logits, whole_word_spans
 from realm_jax.models.reader import correct_spans, marginal_nll
-from realm_jax.train.realm_step import TrainState, grads_step
+from realm_jax.train.realm_step import TrainState, grads_step, join_pieces, split_pieces
 
 Array = jax.Array
 
@@ -162,11 +162,8 @@ def qa_loss_and_grads(params, batch, models: QaModels, dropout_rng: Array | None
                                None if rngs is None else rngs[0]), params["query_tower"])
   retriever, d_beam = jax.value_and_grad(_retriever_part, has_aux=True)(beam_logits, batch)
   b, r = beam_logits.shape[0], _check_read(batch, beam_logits.shape[1])
-  if b % pieces:
-    raise ValueError(f"{b} questions do not split into {pieces} pieces.")
-  # [B, ...] -> [pieces, B / pieces, ...], piece p = questions p, p + pieces, ...
-  split = lambda x: x.reshape(b // pieces, pieces, *x.shape[1:]).swapaxes(0, 1)
-  xs = jax.tree.map(split, (_reader_batch(batch), beam_logits[:, :r], jnp.arange(b)))
+  xs = split_pieces((_reader_batch(batch), beam_logits[:, :r], jnp.arange(b, dtype=jnp.int32)),
+                    pieces)
   grad_fn = jax.value_and_grad(reader_part, argnums=(0, 1), has_aux=True)
 
   def piece(acc, x):
@@ -179,7 +176,7 @@ def qa_loss_and_grads(params, batch, models: QaModels, dropout_rng: Array | None
   zeros = ({k: zero for k in ("reader_loss_sum", "answer_in_read", "reader_correct")},
            jax.tree.map(jnp.zeros_like, params["reader"]))
   (reader_sums, d_reader), d_read = jax.lax.scan(piece, zeros, xs)
-  d_beam = d_beam.at[:, :r].add(d_read.swapaxes(0, 1).reshape(b, r))
+  d_beam = d_beam.at[:, :r].add(join_pieces(d_read))
   (d_query,) = beam_vjp(d_beam)
   loss_and_sums = _total(retriever, (reader_sums["reader_loss_sum"], reader_sums))
   return loss_and_sums, {"query_tower": d_query, "reader": d_reader}

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
+from realm_jax.models.dropout import Rows
 from realm_jax.models.encoder import KnowledgeAugEncoder, marginal_mlm_loss
 from realm_jax.models.retriever import NEG_INF, RealmRetriever, relevance_scores
 
@@ -49,29 +50,34 @@ def _inputs(d):
   return d["input_ids"], d["attention_mask"], d["token_type_ids"]
 
 
-def retriever_logits(params, batch, models: RealmModels, rngs=None) -> Array:
+def retriever_logits(params, batch, models: RealmModels, rngs=None,
+                     rows: Rows | None = None) -> Array:
   """Fresh relevance scores [B, K] of every candidate; masked candidates get -1e9."""
   det = rngs is None
   apply = lambda method, d, r: models.retriever.apply(
-      {"params": params["retriever"]}, *_inputs(d), det, method=method, rngs=r)
+      {"params": params["retriever"]}, *_inputs(d), det, rows, method=method, rngs=r)
   q = apply("embed_queries", batch["query"], None if det else {"dropout": rngs[0]})     # [B, D]
   z = apply("embed_documents", batch["candidates"], None if det else {"dropout": rngs[1]})  # [B, K, D]
   logits = models.score_scale * relevance_scores(q, z)
   return jnp.where(batch["candidate_mask"] > 0, logits, NEG_INF)
 
 
-def realm_loss(params, batch, models: RealmModels, dropout_rng: Array | None = None):
+def realm_loss(params, batch, models: RealmModels, dropout_rng: Array | None = None,
+               rows: Rows | None = None):
   """The marginal MLM loss and its statistics; dropout only when `dropout_rng` is given.
+
+  `rows`: the batch's examples are these rows of a larger batch (their dropout masks are theirs
+  there: realm_jax/models/dropout.py).
 
   Returns:
     (loss [], metrics) with metrics as sums over the batch (so that they average correctly over
     devices and steps): see `summarize`.
   """
   rngs = None if dropout_rng is None else jax.random.split(dropout_rng, 3)
-  logits = retriever_logits(params, batch, models, None if rngs is None else rngs[:2])
+  logits = retriever_logits(params, batch, models, None if rngs is None else rngs[:2], rows)
   mlm_logits = models.encoder.apply(
       {"params": params["encoder"]}, *_inputs(batch["joint"]), batch["mlm_positions"],
-      rngs is None, rngs=None if rngs is None else {"dropout": rngs[2]})          # [B, K, M, V]
+      rngs is None, rows, rngs=None if rngs is None else {"dropout": rngs[2]})    # [B, K, M, V]
   weights = batch["mlm_weights"].astype(jnp.float32)
   loss, aux = marginal_mlm_loss(mlm_logits, batch["mlm_targets"], weights, logits)
   return loss, _statistics(mlm_logits, batch, weights, aux)
@@ -159,14 +165,76 @@ def _ratio_se(total, sq, x_tokens, sums) -> float:
   return math.sqrt(max(spread, 0.0) * examples / (examples - 1)) / tokens
 
 
+def realm_loss_and_grads(params, batch, models: RealmModels, dropout_rng: Array | None = None,
+                         pieces: int = 1):
+  """((loss, sums), gradient) of `realm_loss`, the batch's examples run `pieces` at a time
+  (`piecewise_grads`: each piece's loss is its share of the mean over the whole batch's masked
+  tokens)."""
+  if pieces == 1:
+    return jax.value_and_grad(realm_loss, has_aux=True)(params, batch, models, dropout_rng)
+  tokens = jnp.maximum(jnp.sum(batch["mlm_weights"].astype(jnp.float32)), 1.0)
+
+  def piece_loss(p, part, rng, rows):
+    stats = realm_loss(p, part, models, rng, rows)[1]
+    return stats["loss_sum"] / tokens, stats
+
+  return piecewise_grads(piece_loss, params, batch, pieces, dropout_rng)
+
+
 def train_step(state: TrainState, batch: dict, rng: Array, *,
-               models: RealmModels, dropout: bool = True) -> tuple[TrainState, dict]:
+               models: RealmModels, dropout: bool = True,
+               pieces: int = 1) -> tuple[TrainState, dict]:
   """One AdamW update on the marginal MLM loss; pure, so it jits with the state donated.
 
-  A step whose loss or gradient is not finite changes no parameter or optimiser moment (the step
-  counter still advances, so the data moves on) and reports `skipped` = 1.
+  `pieces` > 1: the batch's examples go through the step that many at a time
+  (`realm_loss_and_grads`). A step whose loss or gradient is not finite changes no parameter or
+  optimiser moment (the step counter still advances, so the data moves on) and reports
+  `skipped` = 1.
   """
-  return loss_step(state, lambda p, r: realm_loss(p, batch, models, r), rng, dropout)
+  return grads_step(state, lambda p, r: realm_loss_and_grads(p, batch, models, r, pieces), rng,
+                    dropout)
+
+
+def split_pieces(tree, pieces: int):
+  """[B, ...] arrays -> [pieces, B / pieces, ...]: piece p holds examples p, p + pieces, ...
+
+  Strided, so that a batch sharded along B over devices keeps its sharding in every piece (each
+  device's examples split evenly into the pieces when B / devices is a multiple of `pieces`).
+  """
+  def split(x):
+    if x.shape[0] % pieces:
+      raise ValueError(f"A batch of {x.shape[0]} does not split into {pieces} pieces.")
+    return x.reshape(x.shape[0] // pieces, pieces, *x.shape[1:]).swapaxes(0, 1)
+  return jax.tree.map(split, tree)
+
+
+def join_pieces(x: Array) -> Array:
+  """The inverse of `split_pieces` for one array [pieces, B / pieces, ...] -> [B, ...]."""
+  return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+
+def piecewise_grads(piece_loss, params, batch: dict, pieces: int,
+                    dropout_rng: Array | None = None):
+  """((loss, sums), gradient) of a loss that is the sum of its pieces' losses, computed a piece
+  at a time: only one piece's activations are alive, and the gradients add up.
+
+  `piece_loss(params, piece, dropout_rng, rows) -> (loss, sums)`, with `rows` (models/dropout.py)
+  naming the piece's examples in the whole batch, so that dropout drops what it would drop in the
+  whole batch's call: pieces change the result only by the order of the sums.
+  """
+  b = jax.tree.leaves(batch)[0].shape[0]
+  xs = split_pieces((batch, jnp.arange(b, dtype=jnp.int32)), pieces)
+  grad_fn = jax.value_and_grad(piece_loss, has_aux=True)
+
+  def one(acc, x):
+    part, ids = x
+    out = grad_fn(params, part, dropout_rng, Rows(ids, b))
+    return jax.tree.map(jnp.add, acc, out), None
+
+  first = jax.tree.map(lambda x: x[0], xs)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+      grad_fn, params, first[0], dropout_rng, Rows(first[1], b)))
+  return jax.lax.scan(one, zeros, xs)[0]
 
 
 def loss_step(state: TrainState, loss_fn, rng: Array, dropout: bool = True):
