@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from realm_jax import distributed, workdir_lock
+from realm_jax.host_memory import release_freed_memory
 from realm_jax.io_utils import as_path, read_json, write_json
 from realm_jax.checkpoints import training as checkpoints
 from realm_jax.train import memory
@@ -78,6 +79,18 @@ def check_workdir_config(config, workdir: str, fixed: Iterable[str]) -> None:
           f"differ: {diff}). Resume it with the config it was made with, or use a new --workdir.")
   if jax.process_index() == 0:
     write_json(path, current)
+
+
+def microbatch_pieces(config, key: str, devices: int) -> int:
+  """How many pieces a step runs its batch in when each device takes config[key] of its examples
+  at a time (0: all at once); ValueError naming the setting when they do not divide its share of
+  config.batch_size."""
+  per_device, micro = config.batch_size // devices, config.get(key, 0)
+  if micro < 0 or (micro and per_device % micro):
+    raise ValueError(f"--config.{key}={micro} must be 0 (the whole batch at once) or divide the "
+                     f"{per_device} examples per device (--config.batch_size={config.batch_size} "
+                     f"over {devices} devices).")
+  return per_device // micro if micro else 1
 
 
 def train(trainer: Callable[[Any, str], "TrainLoop"], config, workdir: str):
@@ -212,8 +225,14 @@ class TrainLoop:
       self.metrics.write(step, metrics, prefix)
 
   def save(self, step: int, force: bool = False) -> None:
+    """Checkpoints the state, asynchronously on accelerators. On the CPU the device memory is
+    the host's: the host copy an asynchronous save holds would add to the next steps' buffers
+    (fine-tuning's peak), so the save is waited for there."""
     checkpoints.save(self.manager, step, self.state, self.checkpoint_meta(step),
                      self.data_iterator, force=force)
+    if jax.default_backend() == "cpu":
+      self.manager.wait_until_finished()
+    release_freed_memory()
 
   def restore(self) -> None:
     """The newest usable checkpoint's state, data position and meta (see `resumed`)."""
@@ -230,6 +249,7 @@ class TrainLoop:
     logging.info("step %d %s: %s", step, self.eval_name,
                  json.dumps({k: round(v, 4) for k, v in metrics.items()}))
     self.evaluated(step, metrics)
+    release_freed_memory()  # evaluation's buffers are gone: give their pages back
     return metrics
 
   def run(self):
