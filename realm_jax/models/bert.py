@@ -176,7 +176,8 @@ class BertModel(nn.Module):
   Inputs may have any number of leading batch dimensions ([B, L], [B, K, L], ...).
   `attention_mask` is 1 for real tokens and 0 for padding; `token_type_ids` are segment ids.
   `dropout_rows`: the inputs are these rows of a larger batch (rows of the leading dimension, or
-  of the leading dimensions flattened): dropout drops what it drops there (realm_jax/models/dropout.py).
+  of the leading dimensions flattened): dropout drops what it drops there
+  (realm_jax/models/dropout.py).
   """
   config: RealmConfig
   add_pooling_layer: bool = True

@@ -66,7 +66,7 @@ class RealmReader(nn.Module):
 
   Returns a dict: `span_logits` [B, R, N] (retriever logit added; invalid spans at float32 min),
   `span_valid` [B, R, N], and the host arrays `starts`, `ends` [N] of token positions.
-  `dropout_rows`: the B questions are these of a larger batch (their dropout masks are theirs there).
+  `dropout_rows`: the B questions are these of a larger batch (whose dropout masks they get).
   """
   config: RealmConfig
 

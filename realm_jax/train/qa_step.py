@@ -91,7 +91,8 @@ def reader_part(reader_params, read_logits: Array, batch: dict, models: QaModels
 def _reader_batch(batch: dict) -> dict:
   """What `reader_part` reads of a step's batch."""
   r = batch["reader"]["input_ids"].shape[1]
-  return {**{k: batch[k] for k in _READER_KEYS if k in batch}, "read_mask": batch["beam_mask"][:, :r]}
+  return {**{k: batch[k] for k in _READER_KEYS if k in batch},
+          "read_mask": batch["beam_mask"][:, :r]}
 
 
 def _retriever_part(beam_logits: Array, batch: dict) -> tuple[Array, dict]:
@@ -153,6 +154,9 @@ def qa_loss_and_grads(params, batch, models: QaModels, dropout_rng: Array | None
   questions p, p + pieces, p + 2 pieces, ...: each device's questions split evenly into the pieces,
   so no piece moves data between devices. Dropout drops what it drops in the whole batch's call
   (realm_jax/models/dropout.py), so pieces change the result only by the order of the sums.
+  Unlike pre-training's `piecewise_grads`, the question tower runs once over the whole batch (B
+  short questions: little memory); the gradient its beam logits get from the pieces' reader losses
+  is added to the retriever loss's and pulled back through it once.
   """
   if pieces == 1 or "reader" not in batch:
     return jax.value_and_grad(qa_loss, has_aux=True)(params, batch, models, dropout_rng)
