@@ -150,7 +150,6 @@ class QaTrainer(loop.TrainLoop):
     self.start(self.setup.init_params, tx,
                functools.partial(qa_train_step, models=self.setup.models, dropout=config.dropout,
                                  pieces=pieces))
-    self.setup.init_params = None  # in the state now; kept, they would hold a second copy
 
   # --------------------------------------------------------------------------------- data
   def _order(self, epoch: int) -> np.ndarray:
