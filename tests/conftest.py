@@ -21,8 +21,35 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
+# pytest runs one test at a time, on one core most of the time. The long runs that a module's tests
+# wait for (subprocesses) start with the session instead, beside the tests before them, when a
+# selected test needs them: the module lists them in EARLY = {fixture name: start}, where
+# start(tmp_path_factory) starts the processes and returns (processes, finish); the fixture returns
+# `started_early(request, start)`: finish() of the processes started early (or now).
+_EARLY = {}
+
+
+def pytest_collection_finish(session):
+  if session.config.option.collectonly:
+    return
+  for item in session.items:
+    for name, start in getattr(getattr(item, "module", None), "EARLY", {}).items():
+      if name in item.fixturenames and start not in _EARLY:
+        # (the object the tmp_path_factory fixture returns)
+        _EARLY[start] = start(session.config._tmp_path_factory)  # pylint: disable=protected-access
+
+
+def started_early(request, start):
+  _, finish = _EARLY.pop(start, None) or start(request.getfixturevalue("tmp_path_factory"))
+  return finish()
+
+
 def pytest_sessionfinish(session, exitstatus):
   del session, exitstatus
+  for procs, _ in _EARLY.values():  # started for tests that did not run (-x, an interrupt)
+    for proc in procs:
+      proc.kill()
+      proc.wait()
   if _OWN_CACHE is not None:
     import shutil
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import started_early
 
 try:  # the tiny config reads the embedded corpus and the MiniLM vocabulary (the demo extra)
   from realm_jax.checkpoints.minilm import minilm_dir
@@ -84,17 +85,26 @@ def _losses(workdir):
   return [(r["step"], r["split"], r["loss"]) for r in rows]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  data_dir = str(tmp_path_factory.mktemp("data"))
+def _start_runs(tmp_path_factory):
+  """The one-process run and the two processes, all three at once (each is on one core or waits on
+  collectives most of the time); each run builds its own copy of the data."""
   single = str(tmp_path_factory.mktemp("single"))
   multi = str(tmp_path_factory.mktemp("multi"))
-  outs = _finish([_start(single, data_dir, _env(4))])
   port = _free_port()
-  procs = [_start(multi, data_dir, _env(2, REALM_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                                        REALM_NUM_PROCESSES="2", REALM_PROCESS_ID=str(i)),
-                  "--config.distributed=True") for i in range(2)]
-  return single, multi, outs + _finish(procs)
+  procs = [_start(single, str(tmp_path_factory.mktemp("data")), _env(4))]
+  multi_data = str(tmp_path_factory.mktemp("data"))
+  procs += [_start(multi, multi_data, _env(2, REALM_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                           REALM_NUM_PROCESSES="2", REALM_PROCESS_ID=str(i)),
+                   "--config.distributed=True") for i in range(2)]
+  return procs, lambda: (single, multi, _finish(procs))
+
+
+EARLY = {"runs": _start_runs}  # (conftest.py starts them with the session)
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+  return started_early(request, _start_runs)
 
 
 @pytest.mark.slow

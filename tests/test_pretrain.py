@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import started_early
 
 try:  # the tiny config reads the embedded corpus and the MiniLM vocabulary (the demo extra)
   from realm_jax.checkpoints.minilm import minilm_dir
@@ -55,18 +56,37 @@ def complete_checkpoints(workdir):
   return sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("data"))
-
-
-# A tiny pre-training run (~30 s): the tests that read it are marked slow.
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, data_dir):
+def _start_uninterrupted(tmp_path_factory):
+  """(the data directory, the work directory) of a tiny pre-training run (~30 s), which builds the
+  data that every run here reads."""
+  data_dir = str(tmp_path_factory.mktemp("data"))
   workdir = str(tmp_path_factory.mktemp("straight"))
-  code, out = run(workdir, data_dir)
-  assert code == 0, out[-3000:]
-  return workdir
+  proc = run(workdir, data_dir, wait=False)
+
+  def finish():
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return data_dir, workdir
+  return [proc], finish
+
+
+EARLY = {"first_run": _start_uninterrupted}  # (conftest.py starts it with the session)
+
+
+@pytest.fixture(scope="module")
+def first_run(request):
+  return started_early(request, _start_uninterrupted)
+
+
+@pytest.fixture(scope="module")
+def data_dir(first_run):
+  return first_run[0]
+
+
+# The tests that read the tiny run are marked slow.
+@pytest.fixture(scope="module")
+def uninterrupted(first_run):
+  return first_run[1]
 
 
 @pytest.mark.slow

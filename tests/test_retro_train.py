@@ -4,8 +4,9 @@ recomputation by hand over every held-out sequence; greedy sampling and its evid
 loop with a brute-force search; sampling refuses a long prompt and another tokenizer; the Colab
 notebook reports, plots and samples. (The retro scripts' other user mistakes: tests/test_cli.py.)
 
-The tiny chunk database is built once (~5 s) and every run here reads it; one tiny run of both
-decoders (`trained`, ~25 s) serves the other tests, all marked slow but the two by hand.
+One tiny run of both decoders (`trained`, ~30 s, started with the session: see conftest.py)
+builds the tiny chunk database that every run here reads and serves the other tests, all marked
+slow but the two by hand.
 """
 
 import json
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import ROOT, one_device_env
+from conftest import ROOT, one_device_env, started_early
 
 from realm_jax.checkpoints import retro_export
 from realm_jax.configs.retro import get_config
@@ -85,29 +86,38 @@ def export_arrays(export):
   return load_file(os.path.join(export, retro_export.PARAMS))
 
 
+def _start_training(tmp_path_factory):
+  """The RETRO and baseline decoders trained 6 steps, then evaluated, in a fresh work directory;
+  the run first builds the tiny chunk database in <work>/db (where it looks: config.db.dir left
+  empty)."""
+  root = tmp_path_factory.mktemp("retro")
+  work, log = str(root / "work"), root / "trained.log"
+  proc = start("retro_train", CONFIG, f"--workdir={work}", *STEPS, log=log)
+
+  def finish():
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    return work
+  return [proc], finish
+
+
+EARLY = {"trained": _start_training}  # (conftest.py starts it with the session)
+
+
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-  """A fresh work directory whose db/ is the tiny chunk database."""
+def trained(request):
   from realm_jax.checkpoints import minilm_dir
   try:
     minilm_dir()
   except FileNotFoundError as e:
     pytest.skip(str(e))
-  return str(tmp_path_factory.mktemp("retro") / "work")
+  return started_early(request, _start_training)
 
 
 @pytest.fixture(scope="module")
-def db(work):
-  return build_database(get_config("tiny").db, os.path.join(work, "db"))
-
-
-@pytest.fixture(scope="module")
-def trained(work, db):
-  """The RETRO and baseline decoders trained 6 steps on the database above, then evaluated."""
-  del db  # built in <work>/db, where the run looks first (config.db.dir left empty)
-  code, out = run("retro_train", CONFIG, f"--workdir={work}", *STEPS)
-  assert code == 0, out[-3000:]
-  return work
+def db(trained):
+  """The database the `trained` run built, opened."""
+  return build_database(get_config("tiny").db, os.path.join(trained, "db"))
 
 
 # ------------------------------------------------------------------------------------ training

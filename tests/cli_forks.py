@@ -1,0 +1,103 @@
+"""Runs entry points as `python experiments/<script>.py <args>` runs them, each case in a child
+forked from this process after the imports at the top of the scripts: the ~1 s that every run of
+a script spends starting Python and importing JAX is paid once, not once per case
+(tests/test_cli.py, whose cases fail before any expensive work).
+
+  python tests/cli_forks.py < cases.json > answers.json
+
+cases.json: [[script, [arg, ...]], ...]; answers.json: [[returncode, stdout, stderr], ...], in
+the same order. Run it from the repository root, in the environment the scripts should see.
+"""
+
+import ast
+import atexit
+import json
+import os
+import runpy
+import sys
+import tempfile
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARALLEL = 2  # children at a time (the cores of the machine the suite is sized for)
+
+
+def _script(name: str) -> str:
+  return os.path.join(ROOT, "experiments", f"{name}.py")
+
+
+def _import_what_scripts_import(names) -> None:
+  """Runs the module-level import statements of each script (those it runs first anyway)."""
+  for name in sorted(set(names)):
+    with open(_script(name)) as f:
+      tree = ast.parse(f.read())
+    imports = [s for s in tree.body if isinstance(s, (ast.Import, ast.ImportFrom))]
+    exec(compile(ast.Module(body=imports, type_ignores=[]), _script(name), "exec"), {})
+
+
+def _exit_status(e: SystemExit) -> int:
+  """The status the interpreter exits with for an uncaught SystemExit."""
+  if e.code is None or isinstance(e.code, int):
+    return e.code or 0
+  print(e.code, file=sys.stderr)
+  return 1
+
+
+def _child(name: str, args: list[str], out: int, err: int) -> None:
+  """In the forked child: runs the script as __main__ with its output going to `out` and `err`,
+  then exits as the interpreter would (a traceback and status 1 for an uncaught exception)."""
+  null = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(null, 0)
+  os.dup2(out, 1)
+  os.dup2(err, 2)
+  sys.argv = [os.path.join("experiments", f"{name}.py"), *args]
+  sys.path[0] = os.path.dirname(_script(name))
+  status = 0
+  try:
+    runpy.run_path(_script(name), run_name="__main__")
+  except SystemExit as e:
+    status = _exit_status(e)
+  except BaseException:  # noqa: BLE001 (what the interpreter prints for it)
+    traceback.print_exc()
+    status = 1
+  try:
+    atexit._run_exitfuncs()  # pylint: disable=protected-access
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def run_cases(cases) -> list:
+  """[(returncode, stdout, stderr)] of each (script, args), PARALLEL children at a time."""
+  files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in cases]
+  running, statuses = {}, [None] * len(cases)
+
+  def reap():
+    pid, wait_status = os.wait()
+    statuses[running.pop(pid)] = os.waitstatus_to_exitcode(wait_status)
+
+  for i, (name, args) in enumerate(cases):
+    while len(running) >= PARALLEL:
+      reap()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+      _child(name, args, files[i][0].fileno(), files[i][1].fileno())
+    running[pid] = i
+  while running:
+    reap()
+  answers = []
+  for status, (out, err) in zip(statuses, files):
+    out.seek(0)
+    err.seek(0)
+    answers.append((status, out.read().decode(errors="replace"),
+                    err.read().decode(errors="replace")))
+  return answers
+
+
+if __name__ == "__main__":
+  todo = json.load(sys.stdin)
+  _import_what_scripts_import(name for name, _ in todo)
+  json.dump(run_cases(todo), sys.stdout)
