@@ -44,13 +44,14 @@ class CheckpointError(ValueError):
   """A checkpoint that does not fit the requested model; the message says what to do."""
 
 
-def build_model(kind: str, config: RealmConfig, share_embedders: bool = True):
+def build_model(kind: str, config: RealmConfig, share_embedders: bool = True,
+                pooling: str = "projected_cls"):
   if kind == "bert":
     return BertModel(config, add_pooling_layer=True)
   if kind == "embedder":
     return RealmEmbedder(config)
   if kind == "retriever":
-    return RealmRetriever(config, share_embedders=share_embedders)
+    return RealmRetriever(config, share_embedders=share_embedders, pooling=pooling)
   if kind == "encoder":
     return KnowledgeAugEncoder(config)
   if kind == "reader":
@@ -58,9 +59,11 @@ def build_model(kind: str, config: RealmConfig, share_embedders: bool = True):
   raise CheckpointError(f"Unknown model kind {kind!r}; use one of {KINDS}.")
 
 
-def abstract_params(kind: str, config: RealmConfig, share_embedders: bool = True) -> dict:
-  """Shapes of the Flax parameters of a model kind, without allocating them."""
-  model = build_model(kind, config, share_embedders)
+def abstract_params(kind: str, config: RealmConfig, share_embedders: bool = True,
+                    pooling: str = "projected_cls") -> dict:
+  """Shapes of the Flax parameters of a model kind, without allocating them (`pooling`: of a
+  retriever's towers; a mean-pooled one has no pooler and no [CLS] projection)."""
+  model = build_model(kind, config, share_embedders, pooling)
   n = max(8, config.max_span_width)
   ids = jnp.zeros((1, 1, n), jnp.int32)
   if kind in ("bert", "embedder"):
@@ -130,6 +133,13 @@ def _derived_keys(kind: str, flat: Mapping[str, np.ndarray]) -> dict[str, np.nda
   return {}
 
 
+def retriever_pooling(keys) -> str:
+  """The pooling of a REALM scorer's towers, from its keys: REALM's projected [CLS] when it has the
+  projection (`embedder.cls.dense`), else mean pooling (a mean-pooled export of realm_jax's
+  retriever trainers, e.g. DPR from all-MiniLM-L6-v2)."""
+  return "projected_cls" if "embedder.cls.dense.weight" in keys else "mean"
+
+
 def _shares_embedders(state: Mapping[str, np.ndarray]) -> bool:
   query = {k[len("query_embedder."):]: v for k, v in state.items() if k.startswith("query_embedder.")}
   if not query:
@@ -182,7 +192,8 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], kind: str, config: RealmCo
           f"{tuple(value.shape)}) but config.vocab_size={config.vocab_size}. Use the config.json "
           "and vocab.txt saved with the checkpoint.")
   share = _shares_embedders(state) if kind == "retriever" else True
-  shapes = traverse_util.flatten_dict(abstract_params(kind, config, share))
+  shapes = traverse_util.flatten_dict(abstract_params(kind, config, share,
+                                                      retriever_pooling(state)))
   flat_params, used = {}, set()
   for path, spec in shapes.items():
     key, transpose = hf_key(path, prefix)

@@ -31,6 +31,9 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.vocab_file = ""               # init=random (default: the MiniLM package's uncased vocab)
   c.model = ml_collections.ConfigDict()   # init=random: RealmConfig fields
   c.num_layers = 0                # >0: keep only the first N transformer layers of the weights
+  c.pooling = "projected_cls"     # projected_cls (REALM's) | mean (normalised) | auto (mean for
+                                  # minilm): the export is read with the same pooling
+  c.score_scale = 1.0             # logit = score_scale * <q, d> (mean pooling gives cosines: ~20)
   c.dtype = "float32"             # compute dtype: float32 | bfloat16
   c.chunk_tokens = 0              # >0: BERT calls in chunks of <= this many tokens (CPU: ~2048)
 

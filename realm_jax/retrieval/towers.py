@@ -76,7 +76,14 @@ def load_towers(weights: str = "minilm", pooling: str | None = None,
   elif kind == "embedder":
     towers, pooling = {"document": loaded}, pooling or "projected_cls"
   else:
-    towers, pooling = {"document": loaded["embedder"]}, pooling or "projected_cls"
+    # A scorer without the [CLS] projection is mean-pooled (hf.retriever_pooling).
+    has_projection = "cls" in loaded["embedder"]
+    if pooling == "projected_cls" and not has_projection:
+      raise ValueError(
+          f"--config.pooling=projected_cls needs the [CLS] projection (`cls.dense`), which "
+          f"{source.name} lacks: its towers are mean-pooled. Use --config.pooling=mean (or auto).")
+    towers = {"document": loaded["embedder"]}
+    pooling = pooling or ("projected_cls" if has_projection else "mean")
     if "query_embedder" in loaded:
       towers["query"] = loaded["query_embedder"]
   tokenizer = BertTokenizer(vocab_file or source.vocab())

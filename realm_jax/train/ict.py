@@ -18,37 +18,34 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import os
 
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from realm_jax import config_checks
-from realm_jax.checkpoints.hf import overlay, save_hf_checkpoint
-from realm_jax.checkpoints.weights import MINILM, Weights, resolve
+from realm_jax.data.blocks import BLOCKINGS
 from realm_jax.data.corpus import Corpus, CorpusConfig
 from realm_jax.data.pretrain import is_heldout
-from realm_jax.io_utils import as_path, atomic_write_dir, is_remote
-from realm_jax.data.blocks import BLOCKINGS
 from realm_jax.data.sources import SOURCES
-from realm_jax.models.config import COMPUTE_DTYPES, RealmConfig
+from realm_jax.io_utils import as_path
+from realm_jax.models.config import COMPUTE_DTYPES
 from realm_jax.models.retriever import RealmRetriever
 from realm_jax.retrieval.build import open_corpus
 from realm_jax.text import BertTokenizer, join_bert
-from realm_jax.text.tokenizer import TOKENIZER_CONFIG
 from realm_jax.train import loop, optimizer
-from realm_jax.train.init import sized_model_config
 from realm_jax.train.realm_step import TrainState, loss_step
+# The towers, their starting weights, the in-batch loss and the export (shared with DPR).
+from realm_jax.train.two_towers import (INITS, build_retriever, embed, export_retriever,
+                                        in_batch_metrics, init_params)
 
 Array = jax.Array
-INITS = ("minilm", "bert", "random")
 SPLITS = ("train", "heldout")
 # Settings a resumed run must keep: the shapes of parameters and what the examples are made of.
-FIXED_SETTINGS = ("init", "model", "num_layers", "corpus", "query_length", "heldout_percent")
+FIXED_SETTINGS = ("init", "model", "num_layers", "pooling", "corpus", "query_length",
+                  "heldout_percent")
 
 # ---------------------------------------------------------------------------------------------
 # Data
@@ -182,136 +179,40 @@ def ict_batches(corpus: Corpus, split: str, *, batch_size: int, seed: int, query
   return iter(ds.to_iter_dataset(read_options).batch(batch_size, drop_remainder=True))
 
 # ---------------------------------------------------------------------------------------------
-# Model and starting weights
-# ---------------------------------------------------------------------------------------------
-
-
-def _bert_weights(config) -> Weights | None:
-  """The weights whose BERT both towers start from: the installed all-MiniLM-L6-v2 (init=minilm),
-  config.bert_weights (init=bert: a HF BERT directory or a TF1 BERT checkpoint), or None
-  (random)."""
-  if config.init not in INITS:
-    raise ValueError(f"--config.init={config.init!r}: use one of {INITS}.")
-  if config.init == "minilm":
-    return resolve(MINILM, flag="--config.init")
-  if config.init == "bert":
-    return resolve(config.bert_weights, flag="--config.bert_weights")
-  return None
-
-
-def build_retriever(config) -> tuple[RealmRetriever, RealmConfig, str]:
-  """(separate-tower retriever with REALM's projected [CLS], its config, vocab file).
-
-  config.init: "minilm" (the installed all-MiniLM-L6-v2), "bert" (config.bert_weights, a HF BERT
-  directory with config.json, model.safetensors, vocab.txt) or "random" (config.model). The vocab
-  file: config.vocab_file when given (init=bert or random), else the weights' (random: MiniLM's).
-  """
-  weights = _bert_weights(config)
-  if weights is None:
-    model_config = RealmConfig(**dict(config.model))
-    vocab = config.vocab_file or resolve(MINILM, flag="--config.vocab_file").vocab()
-  else:
-    model_config = weights.config
-    override = config.vocab_file if config.init == "bert" else ""  # MiniLM reads its own vocab
-    vocab = override or weights.vocab()
-  model_config = sized_model_config(config, model_config)
-  return (RealmRetriever(model_config, share_embedders=False, pooling="projected_cls"),
-          model_config, vocab)
-
-
-def init_params(config, model: RealmRetriever, model_config: RealmConfig, rng) -> dict:
-  """{"embedder", "query_embedder"} (float32, on the host): both towers' BERT from the weights of
-  config.init, the pooler (when the weights lack one) and the projection at random."""
-  ids = jnp.zeros((1, 8), jnp.int32)
-  q = dict(input_ids=ids, attention_mask=ids, token_type_ids=ids)
-  # One compiled program rather than hundreds of eagerly compiled ops.
-  params = jax.jit(model.init)(rng, q, {k: v[:, None] for k, v in q.items()})["params"]
-  weights = _bert_weights(config)
-  if weights is not None:
-    bert, _ = weights.load("bert", model_config, strict=False)
-    params = {t: overlay(p, {"realm": bert}, weights.name) for t, p in params.items()}
-  return jax.tree.map(lambda x: np.asarray(x, np.float32), params)
-
-# ---------------------------------------------------------------------------------------------
 # Loss and step
 # ---------------------------------------------------------------------------------------------
 
 
-def _embed(params, model: RealmRetriever, inputs: dict, method: str, rng) -> Array:
-  return model.apply({"params": params}, inputs["input_ids"], inputs["attention_mask"],
-                     inputs["token_type_ids"], rng is None, method=method,
-                     rngs=None if rng is None else {"dropout": rng})
-
-
-def in_batch_metrics(logits: Array) -> tuple[Array, dict[str, Array]]:
-  """Softmax cross-entropy of logits [B, B] with label i for row i, and its retrieval metrics.
-
-  Returns (loss [], {loss, accuracy (argmax == i), mean_rank (1 = best), recall_at_5}), means
-  over the B queries.
-  """
-  logits = logits.astype(jnp.float32)
-  b = logits.shape[0]
-  labels = jnp.arange(b)
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-  positive = jnp.diagonal(logits)                                           # [B]
-  rank = 1 + jnp.sum(logits > positive[:, None], axis=-1)                   # [B]
-  return loss, {"loss": loss,
-                "accuracy": jnp.mean(jnp.argmax(logits, axis=-1) == labels),
-                "mean_rank": jnp.mean(rank.astype(jnp.float32)),
-                "recall_at_5": jnp.mean(rank <= 5)}
-
-
-def ict_loss(params, batch: dict, model: RealmRetriever, dropout_rng: Array | None = None):
-  """In-batch softmax loss of a batch {"query" [B, Lq], "document" [B, Ld]}: (loss, metrics).
+def ict_loss(params, batch: dict, model: RealmRetriever, dropout_rng: Array | None = None,
+             score_scale: float = 1.0):
+  """In-batch softmax loss of a batch {"query" [B, Lq], "document" [B, Ld]}: (loss, metrics), the
+  logits being score_scale x the inner products (1 for REALM's projected [CLS]; cosines of
+  normalised mean pooling need a larger one).
 
   Under jit with the batch sharded over devices, B is the global batch: the [B, B] logits pair
   every query with the documents of every device (XLA gathers the [B, D] embeddings), which is
   ORQA's "negatives gathered across cores".
   """
   rq, rd = (None, None) if dropout_rng is None else jax.random.split(dropout_rng)
-  q = _embed(params, model, batch["query"], "embed_queries", rq)           # [B, D]
-  d = _embed(params, model, batch["document"], "embed_documents", rd)      # [B, D]
-  return in_batch_metrics(jnp.einsum("qd,kd->qk", q, d))                   # [B, B]
+  q = embed(params, model, batch["query"], "embed_queries", rq)           # [B, D]
+  d = embed(params, model, batch["document"], "embed_documents", rd)      # [B, D]
+  return in_batch_metrics(score_scale * jnp.einsum("qd,kd->qk", q, d))     # [B, B]
 
 
 def ict_step(state: TrainState, batch: dict, rng: Array, *, model: RealmRetriever,
-             dropout: bool = True) -> tuple[TrainState, dict]:
+             dropout: bool = True, score_scale: float = 1.0) -> tuple[TrainState, dict]:
   """One AdamW update on the ICT loss; pure, so it jits with the state donated.
 
   A step whose loss or gradient is not finite changes no parameter or optimiser moment (the step
   counter still advances) and reports `skipped` = 1.
   """
-  return loss_step(state, lambda p, r: ict_loss(p, batch, model, r), rng, dropout)
+  return loss_step(state, lambda p, r: ict_loss(p, batch, model, r, score_scale), rng, dropout)
 
 
-def eval_step(params, batch: dict, *, model: RealmRetriever) -> dict:
+def eval_step(params, batch: dict, *, model: RealmRetriever, score_scale: float = 1.0) -> dict:
   """In-batch metrics without dropout or update."""
-  return ict_loss(params, batch, model)[1]
+  return ict_loss(params, batch, model, score_scale=score_scale)[1]
 
-
-def export_retriever(directory: str, model_config: RealmConfig, params, vocab_file: str) -> None:
-  """Writes `directory` as a HF REALM scorer (config.json, model.safetensors with `embedder` and
-  `query_embedder`, vocab.txt and the tokenizer_config.json beside it, if any), atomically:
-  readers see the old directory or the new one (on gs://, a directory whose config.json exists:
-  it is uploaded last)."""
-  params = jax.device_get(params)
-  casing = as_path(vocab_file).parent / TOKENIZER_CONFIG  # a cased checkpoint stays cased
-  has_casing = casing.exists()
-
-  def write(tmp: str):
-    save_hf_checkpoint(tmp, model_config, params, kind="retriever")
-    as_path(vocab_file).copy(os.path.join(tmp, "vocab.txt"))
-    if has_casing:
-      casing.copy(os.path.join(tmp, TOKENIZER_CONFIG))
-
-  if is_remote(directory):
-    # The upload is skipped when config.json is unchanged, and it does not change with the weights.
-    (as_path(directory) / "config.json").unlink(missing_ok=True)
-    # An upload leaves files the new export lacks: an old casing must not outlive its export.
-    if not has_casing:
-      (as_path(directory) / TOKENIZER_CONFIG).unlink(missing_ok=True)
-  atomic_write_dir(directory, write, marker="config.json")
-  logging.info("Exported the ICT retriever to %s", directory)
 
 # ---------------------------------------------------------------------------------------------
 # Training loop
@@ -340,9 +241,11 @@ class ICTTrainer(loop.TrainLoop):
                               self.vocab_file)
     self.schedule, tx = optimizer.from_config(config)
     self.data_iterator = self._batches("train", config.seed)
-    self.eval_fn = self.jit_eval(functools.partial(eval_step, model=self.model))
+    scale = float(config.get("score_scale", 1.0))
+    self.eval_fn = self.jit_eval(functools.partial(eval_step, model=self.model, score_scale=scale))
     self.start(init_params(config, self.model, self.model_config, jax.random.key(config.seed)),
-               tx, functools.partial(ict_step, model=self.model, dropout=config.dropout))
+               tx, functools.partial(ict_step, model=self.model, dropout=config.dropout,
+                                     score_scale=scale))
 
   def _batches(self, split: str, seed: int, num_epochs=None):
     c = self.config
@@ -403,4 +306,6 @@ def check_run_settings(config, workdir: str) -> None:
       **loop.LOOP_MINIMUMS, "batch_size": 2, "learning_rate": 0, "eval_batches": 1,
       "num_layers": 0, "corpus.block_length": 4, "corpus.max_docs": 0})
   config_checks.one_of(config, {"init": INITS, "dtype": COMPUTE_DTYPES,
+                                "pooling": ("auto", "mean", "projected_cls"),
                                 "corpus.source": SOURCES, "corpus.blocking": BLOCKINGS})
+  config_checks.at_least(config, {"score_scale": 0})
