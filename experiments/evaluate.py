@@ -3,12 +3,14 @@
   python experiments/evaluate.py --flagfile=experiments/flags/finetune_wiki_vital.flags
   python experiments/evaluate.py --flagfile=... --split=dev --systems=finetuned --limit=200
   python experiments/evaluate.py --flagfile=... --recall_only=dense_untuned   # not read: faster
+  python experiments/evaluate.py --flagfile=... --retrievers=ict=work/ict/export,dpr=work/dpr/export
+      # more retrievers, each with its own index of the corpus, read by the same reader
   python experiments/evaluate.py --workdir=W --dataset=curated_trec:test --dataset_dir=DIR
       # another dataset's questions (CuratedTREC answers are regexes: matched, not compared)
 
 Reads the best checkpoint of --workdir (experiments/finetune.py), answers the --split part of the
 config's questions with each system (realm_jax/eval/report.py: fine-tuned, untuned dense retriever +
-same reader, BM25 + same reader) and writes <workdir>/eval/<split>/predictions-<system>.jsonl and
+same reader, BM25 + same reader, and each of --retrievers + same reader) and writes <workdir>/eval/<split>/predictions-<system>.jsonl and
 results.json, then prints EM and recall@k as a markdown table.
 """
 
@@ -17,6 +19,7 @@ import os
 from absl import flags, logging
 
 from realm_jax import cli
+from realm_jax.checkpoints import resolve
 from realm_jax.data.qa import load_questions
 from realm_jax.eval import report
 from realm_jax.systems import open_qa
@@ -26,6 +29,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory of a fine-tuning
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "dev", "test"], "Which part of the questions.")
 _SYSTEMS = flags.DEFINE_list("systems", list(report.SYSTEMS), "Systems to evaluate.")
 _RECALL_ONLY = flags.DEFINE_list("recall_only", [], "Systems evaluated for retrieval only (not read): faster.")
+_RETRIEVERS = flags.DEFINE_list("retrievers", [], "More systems: NAME=WEIGHTS, another retriever (an ICT or DPR export, any weights build_index.py takes) with an index of the same corpus (built once in <workdir>/retrievers/NAME), read by the same fine-tuned reader.")
 _LIMIT = flags.DEFINE_integer("limit", 0, "Only the first N questions (0 = all).")
 _DATASET = flags.DEFINE_string("dataset", "", "Instead of the config's split: all questions of NAME:SPLIT, e.g. curated_trec:test, web_questions:test, nq_open:dev.")
 _DATASET_DIR = flags.DEFINE_string("dataset_dir", "", "Local folder holding --dataset's file (\"\" = download with TFDS).")
@@ -39,7 +43,10 @@ def main(argv):
   workdir = _WORKDIR.value
   if _LIMIT.value < 0:  # a negative slice would silently drop the last questions
     raise ValueError(f"--limit={_LIMIT.value}: pass a number of questions >= 1, or 0 for all.")
-  report.check_systems(_SYSTEMS.value, _RECALL_ONLY.value)
+  retrievers = report.parse_retrievers(_RETRIEVERS.value)
+  report.check_systems(_SYSTEMS.value, [r for r in _RECALL_ONLY.value if r not in retrievers])
+  for name, weights in retrievers.items():  # a missing directory fails before anything loads
+    resolve(weights, flag=f"--retrievers={name}")
   config = _CONFIG.value or open_qa.load_workdir_config(workdir)
   # Refused before the questions, the index and the models are loaded: a work directory without
   # a fine-tuned model (first: check_writable would create a misspelt --workdir), and an eval/
@@ -64,7 +71,7 @@ def main(argv):
   setup = open_qa.QaSetup(config, workdir, build_missing=False)
   ks = tuple(config.ks)
   results = report.evaluate_systems(setup, questions, _SYSTEMS.value, ks, out_dir,
-                                    recall_only=_RECALL_ONLY.value)
+                                    recall_only=_RECALL_ONLY.value, retrievers=retrievers)
   print(f"{part}: {len(questions)} questions; predictions and results.json in {out_dir}")
   print(report.format_table(results, ks))
 

@@ -1,11 +1,14 @@
 """Every entry point answers a user's mistake with one `error:` line naming the flag or file, exit
 status 2 and no traceback (realm_jax/cli.py), before any expensive work.
 
-The cases run as a user runs them (python experiments/<job>.py ...), a few at a time, once per
-session; each test then checks one case's answer.
+The cases run once per session, as a user runs them: the first case of each script as its own
+`python experiments/<job>.py ...`, the others in children forked from one process that already
+imported what the scripts import (tests/cli_forks.py: otherwise starting Python and JAX ~85 times
+is most of this file's time). Each test then checks one case's answer.
 """
 
 import concurrent.futures
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +20,7 @@ CONFIGS = {"pretrain": "realm_jax/configs/pretrain.py:tiny", "ict": "realm_jax/c
            "build_index": "realm_jax/configs/build_index.py:tiny",
            "finetune": "realm_jax/configs/finetune.py:tiny",
            "search_demo": "realm_jax/configs/build_index.py:tiny",
-           "retro_train": "realm_jax/configs/retro.py:tiny"}
+           "retro_train": "realm_jax/configs/retro.py:tiny", "dpr": "realm_jax/configs/dpr.py:tiny"}
 MISSING = "/nonexistent/weights"
 
 
@@ -26,7 +29,7 @@ def _cases(files):
   cases = []
   for job, config in CONFIGS.items():
     base = [f"--config={config}", "--workdir={W}"]
-    if job == "finetune":
+    if job in ("finetune", "dpr"):
       base.append(f"--config.data.local_dir={NQ_OPEN}")
     weights = {"pretrain": ["--config.init=hf", f"--config.retriever_weights={MISSING}",
                             f"--config.encoder_weights={MISSING}"],
@@ -34,8 +37,10 @@ def _cases(files):
                "build_index": [f"--config.weights={MISSING}"],
                "search_demo": [f"--config.weights={MISSING}"],
                "finetune": [f"--config.reader_weights={MISSING}"],
-               "retro_train": [f"--config.db.key_weights={MISSING}"]}[job]
-    jsonl = {"finetune": "--config.retrieval.corpus", "retro_train": "--config.db"}.get(
+               "retro_train": [f"--config.db.key_weights={MISSING}"],
+               "dpr": ["--config.init=bert", f"--config.bert_weights={MISSING}"]}[job]
+    jsonl = {"finetune": "--config.retrieval.corpus", "retro_train": "--config.db",
+             "dpr": "--config.retrieval.corpus"}.get(
         job, "--config.corpus")
     cases += [
         (f"{job}-misspelt-key", job, [*base, "--config.batch_sise=3"], ["--config.batch_sise", "batch_size"]),
@@ -55,7 +60,7 @@ def _cases(files):
           (f"{job}-batch-negative", job, [*base, "--config.batch_size=-1"],
            ["--config.batch_size=-1", "at least"]),
       ]
-    if job in ("pretrain", "ict", "finetune", "retro_train"):
+    if job in ("pretrain", "ict", "finetune", "retro_train", "dpr"):
       cases += [
           (f"{job}-steps-0", job, [*base, "--config.num_steps=0"], ["--config.num_steps=0", "at least 1"]),
           (f"{job}-steps-negative", job, [*base, "--config.num_steps=-5"], ["--config.num_steps=-5"]),
@@ -105,19 +110,46 @@ def _cases(files):
        ["--config=" + CONFIGS["retro_train"], "--workdir={W}", "--config.models=('gpt',)"],
        ["--config.models=('gpt',)", "baseline"]),
       ("retro_sample-no-model", "retro_sample", ["--prompt=The Nile"], ["--workdir", "--model"]),
+      ("dpr-bad-pooling", "dpr", ["--config=" + CONFIGS["dpr"], "--workdir={W}",
+                                  "--config.pooling=cls"], ["--config.pooling='cls'", "mean"]),
+      ("dpr-bm25-depth-1", "dpr", ["--config=" + CONFIGS["dpr"], "--workdir={W}",
+                                   "--config.bm25_depth=1"], ["--config.bm25_depth=1"]),
+      ("evaluate-retriever-without-weights", "evaluate", ["--workdir={W}", "--retrievers=dpr"],
+       ["--retrievers='dpr'", "NAME=WEIGHTS"]),
+      ("evaluate-retriever-named-like-a-system", "evaluate",
+       ["--workdir={W}", f"--retrievers=bm25={MISSING}"], ["--retrievers", "'bm25'"]),
+      ("evaluate-missing-retriever", "evaluate", ["--workdir={W}", f"--retrievers=dpr={MISSING}"],
+       ["--retrievers=dpr", MISSING]),
       ("retro_eval-empty-workdir", "retro_eval", ["--workdir={W}"],
        ["--workdir={W}", "no trained model", "retro_train.py"]),
   ]
   return cases
 
 
-def _run(case, tmp):
+def _command(case, tmp):
+  """(script, args with {W} replaced, its work directory) of a case."""
   name, script, args, _ = case
   workdir = os.path.join(tmp, name)
-  args = [a.replace("{W}", workdir) for a in args]
-  env = dict(one_device_env(), JAX_PLATFORMS="cpu")
+  return script, [a.replace("{W}", workdir) for a in args], workdir
+
+
+def _env():
+  return dict(one_device_env(), JAX_PLATFORMS="cpu")
+
+
+def _run(script, args):
   return subprocess.run([sys.executable, os.path.join("experiments", f"{script}.py"), *args],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300), workdir
+                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def _run_forked(commands):
+  """[CompletedProcess] of each (script, args), run by tests/cli_forks.py."""
+  got = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cli_forks.py")],
+                       input=json.dumps(commands), cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=600)
+  assert got.returncode == 0, got.stderr[-5000:]
+  return [subprocess.CompletedProcess([script, *args], *answer)
+          for (script, args), answer in zip(commands, json.loads(got.stdout))]
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +162,16 @@ def answers(tmp_path_factory):
     f.write('{"title": "A", "text": "Some text.", "question": "q", "answer": ["a"]}\n'
             '{"title": "B", "text": oops}\n')
   cases = _cases(files)
-  with concurrent.futures.ThreadPoolExecutor(3) as pool:
-    results = list(pool.map(lambda c: _run(c, tmp), cases))
-  return {c[0]: (c, *r) for c, r in zip(cases, results)}
+  commands = [_command(c, tmp) for c in cases]
+  scripts = [script for script, _, _ in commands]
+  own = [i for i, script in enumerate(scripts) if scripts.index(script) == i]
+  forked = [i for i in range(len(cases)) if i not in own]
+  results = {}
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    runs = pool.map(lambda i: _run(*commands[i][:2]), own)
+    results.update(zip(forked, _run_forked([commands[i][:2] for i in forked])))
+    results.update(zip(own, runs))
+  return {case[0]: (case, results[i], commands[i][2]) for i, case in enumerate(cases)}
 
 
 def _ids():
@@ -145,7 +184,7 @@ def test_at_least_the_issue_cases():
 
 
 @pytest.mark.parametrize("name", _ids())
-# Slow: the `answers` fixture runs every case as a subprocess (~90 s on 2 cores).
+# Slow: the `answers` fixture runs every case (~15 s on 2 cores).
 @pytest.mark.slow
 def test_user_mistake_is_one_error_line(answers, name):
   (_, _, _, words), got, workdir = answers[name]

@@ -17,7 +17,8 @@ PACKAGE = ROOT / "realm_jax"
 # kind of training (e.g. a retro-fitting trainer, train/retro*.py) is a trainer too. A trainer never
 # imports another (what two of them share lives below both), and nothing in realm_jax/ imports one:
 # only experiments/, benchmarks/ and tests/ do.
-TRAINERS = ("realm_jax.train.pretrain", "realm_jax.train.ict", "realm_jax.train.finetune",
+TRAINERS = ("realm_jax.train.pretrain", "realm_jax.train.ict", "realm_jax.train.dpr",
+            "realm_jax.train.finetune",
             "realm_jax.train.retro*")
 
 # (importing packages, packages they may not import, the rule): a module is in a package when its

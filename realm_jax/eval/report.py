@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import uuid
 
 from realm_jax import io_utils
 from realm_jax.eval.open_qa import evaluate_open_qa
-from realm_jax.retrieval.bm25 import BM25Index
+from realm_jax.retrieval.bm25 import BM25Index, corpus_bm25
 
 SYSTEMS = ("finetuned", "dense_untuned", "bm25")
 BM25_DIR = "bm25"
@@ -27,18 +28,8 @@ BM25_DIR = "bm25"
 def bm25_of(setup) -> BM25Index:
   """A BM25 index over the corpus rows (title + " " + body), saved in the workdir once and
   rebuilt when the corpus is another (its fingerprint is saved with it)."""
-  path = os.path.join(setup.workdir, BM25_DIR)
-  source = f"corpus {setup.corpus.fingerprint}"
-  if io_utils.as_path(os.path.join(path, "manifest.json")).exists():
-    index = BM25Index.load(path)
-    if index.source == source and len(index) == len(setup.corpus):
-      return index
-    logging.warning("%s indexes %s (%d documents), not the %s (%d blocks): rebuilding it.", path,
-                    index.source or "an unrecorded corpus", len(index), source, len(setup.corpus))
-  texts = (setup.batcher.block(r)["text"] for r in range(len(setup.corpus)))
-  index = BM25Index.build(texts, source=source)
-  index.save(path)
-  return index
+  return corpus_bm25(setup.corpus, os.path.join(setup.workdir, BM25_DIR),
+                     lambda r: setup.batcher.block(r)["text"])
 
 
 def write_jsonl(path: str, rows) -> None:
@@ -73,13 +64,38 @@ def check_systems(systems, recall_only=()) -> None:
     raise ValueError(f"--systems / --recall_only: unknown {unknown}; use some of {SYSTEMS}.")
 
 
+def parse_retrievers(values) -> dict[str, str]:
+  """{name: weights} of `--retrievers=name=DIR,...` (ValueError naming the flag)."""
+  out = {}
+  for value in values:
+    name, sep, weights = value.partition("=")
+    if not sep or not name or not weights:
+      raise ValueError(f"--retrievers={value!r}: give NAME=WEIGHTS, e.g. "
+                       "dpr=work/dpr_wiki_vital/export.")
+    if name in SYSTEMS or name in out:
+      raise ValueError(f"--retrievers: the name {name!r} is taken: pick one that is not in "
+                       f"{SYSTEMS} and not given twice.")
+    out[name] = weights
+  return out
+
+
+def standard_error(percent: float, count: int) -> float:
+  """The standard error, in points, of a percentage of `count` questions (binomial)."""
+  p = percent / 100.0
+  return 100.0 * math.sqrt(p * (1 - p) / count) if count else float("nan")
+
+
 def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: str | None = None,
-                     params=None, progress: bool = True, recall_only=()) -> dict:
+                     params=None, progress: bool = True, recall_only=(),
+                     retrievers: dict[str, str] | None = None) -> dict:
   """{system: {"em", "recall": {k: %}, "count", "seconds"}} on `questions`; predictions and a
   results.json go to `out_dir` when given (an `out_dir` that cannot be written fails first).
   `params`: the fine-tuned parameters (default: the best checkpoint of the workdir). Systems in
-  `recall_only` are not read (em None): reading is what takes the time on a CPU."""
-  check_systems(systems, recall_only)
+  `recall_only` are not read (em None): reading is what takes the time on a CPU. `retrievers`:
+  {name: weights} of more systems, each another retriever (its question tower and an index of
+  the same corpus it builds once) read by the same fine-tuned reader."""
+  retrievers = dict(retrievers or {})
+  check_systems(systems, [r for r in recall_only if r not in retrievers])
   if out_dir:
     check_writable(out_dir)
   if params is None:
@@ -87,12 +103,18 @@ def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: 
     logging.info("Fine-tuned model: %s", meta)
   untuned = {"query_tower": setup.init_params["query_tower"], "reader": params["reader"]}
   results = {}
-  for name in systems:
-    system = setup.system(untuned if name == "dense_untuned" else params)
+  for name in [*systems, *retrievers]:
+    if name in retrievers:
+      system = setup.retriever_system(name, retrievers[name], params["reader"])
+    else:
+      system = setup.system(untuned if name == "dense_untuned" else params)
     bm25 = bm25_of(setup) if name == "bm25" else None
     read = name not in recall_only
     got = evaluate_open_qa(system, questions, ks=ks, bm25=bm25, read=read, progress=progress)
     results[name] = {k: got[k] for k in ("em", "recall", "count", "seconds")}
+    results[name]["em_se"] = None if got["em"] is None else standard_error(got["em"], got["count"])
+    results[name]["recall_se"] = {k: standard_error(v, got["count"])
+                                  for k, v in got["recall"].items()}
     logging.info("%s: EM %s, recall %s (%d questions, %.0f s)", name, got["em"], got["recall"],
                  got["count"], got["seconds"])
     if out_dir and read:
@@ -103,11 +125,13 @@ def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: 
 
 
 def format_table(results: dict, ks=(1, 5, 20)) -> str:
-  """A markdown table: system, EM, recall@k."""
+  """A markdown table: system, EM, recall@k, each with its standard error when known."""
   head = "| system | questions | EM | " + " | ".join(f"R@{k}" for k in ks) + " |"
   lines = [head, "|" + "---|" * (3 + len(ks))]
+  se = lambda value, err: f"{value:.1f}" if err is None else f"{value:.1f} ± {err:.1f}"
   for name, r in results.items():
-    recall = " | ".join(f"{r['recall'][k]:.1f}" for k in ks)
-    em = "-" if r["em"] is None else f"{r['em']:.1f}"
+    errors = r.get("recall_se") or {}
+    recall = " | ".join(se(r["recall"][k], errors.get(k)) for k in ks)
+    em = "-" if r["em"] is None else se(r["em"], r.get("em_se"))
     lines.append(f"| {name} | {r['count']} | {em} | {recall} |")
   return "\n".join(lines)

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import scipy.sparse as sp
 
-from realm_jax.io_utils import atomic_write_dir, read_json, write_json
+from realm_jax.io_utils import as_path, atomic_write_dir, read_json, write_json
 from realm_jax.text.answers import normalize_answer
 
 FORMAT_VERSION = 1
@@ -185,3 +186,20 @@ class BM25Index:
     counts = sp.csr_matrix((arrays["counts"], arrays["indices"], arrays["indptr"]), shape=(n, v))
     return cls(counts, vocab, k1=manifest["k1"] if k1 is None else k1,
                b=manifest["b"] if b is None else b, source=manifest.get("source", ""))
+
+
+def corpus_bm25(corpus, directory: str, text_of) -> BM25Index:
+  """A BM25 index over every row of `corpus` (a `Corpus`: its fingerprint and length are read),
+  document r being `text_of(r)`; saved in `directory` once and rebuilt when the corpus is another
+  (its fingerprint is saved with it)."""
+  source = f"corpus {corpus.fingerprint}"
+  if as_path(os.path.join(directory, MANIFEST)).exists():
+    index = BM25Index.load(directory)
+    if index.source == source and len(index) == len(corpus):
+      return index
+    logging.warning("%s indexes %s (%d documents), not the %s (%d blocks): rebuilding it.",
+                    directory, index.source or "an unrecorded corpus", len(index), source,
+                    len(corpus))
+  index = BM25Index.build((text_of(r) for r in range(len(corpus))), source=source)
+  index.save(directory)
+  return index

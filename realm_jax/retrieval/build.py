@@ -50,16 +50,18 @@ def open_corpus(config, workdir: str, vocab_file: str) -> Corpus:
                       CorpusConfig.from_config(config.corpus, vocab_file))
 
 
-def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | None = None):
+def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | None = None,
+                corpus_root: str | None = None):
   """Corpus + weights -> `workdir/index/index-00000000` (published atomically). Returns
   (corpus, index, document tower). Every stage resumes: the corpus and finished embedding shards
   are reused. `towers`: already loaded `towers_of(config)`. `min_blocks`: {flag: count} of the
   caller's settings that need that many blocks, refused once the corpus is known, before it is
-  embedded."""
+  embedded. `corpus_root`: the directory whose corpus/ holds (or gets) the corpus, when another
+  work directory's built corpus serves (default: `workdir`)."""
   check_settings(config)
   options = index_options(config.index)  # checked before the corpus is built and embedded
   tower = (towers or towers_of(config))["document"]
-  corpus = open_corpus(config, workdir, tower.tokenizer.vocab_file)
+  corpus = open_corpus(config, corpus_root or workdir, tower.tokenizer.vocab_file)
   check_corpus_size(corpus, min_blocks or {})
   fingerprint = f"{corpus.fingerprint}-{tower.fingerprint}-{config.max_length}-{config.truncate}"
   emb = embed_corpus(corpus, tower.embed, tower.tokenizer,

@@ -35,6 +35,7 @@ from realm_jax.models import RealmReader
 from realm_jax.models.open_qa import QaModels, qa_params, qa_predict_step
 from realm_jax.retrieval import build
 from realm_jax.retrieval.index_store import latest_index_dir
+from realm_jax.retrieval.towers import load_towers
 from realm_jax.checkpoints import training as checkpoints
 
 BEST = "best"  # the work directory's folder of the kept (best dev EM) fine-tuned model
@@ -153,6 +154,31 @@ class QaSetup:
   def system(self, params) -> OpenQa:
     return OpenQa(self.batcher, self.models, params, self.index, self.table,
                   reader_blocks=self.config.reader_blocks,
+                  batch_size=self.config.eval_batch_size)
+
+  def retriever_system(self, name: str, weights: str, reader_params: dict) -> OpenQa:
+    """The system whose question tower and index come from other retriever weights (an ICT or
+    DPR export, or anything build_index.py takes as --config.weights), over this corpus, read by
+    `reader_params`. Its index is built once, in <workdir>/retrievers/<name>, from the corpus of
+    this work directory. Pooling follows the weights (a scorer without a [CLS] projection is
+    mean-pooled); a normalised tower's scores get config.score_scale, another's 1."""
+    config = ml_collections.ConfigDict(self.config.retrieval.to_dict())
+    config.update(weights=weights, pooling="auto", normalize="auto")
+    towers = load_towers(weights, dtype=config.dtype, flag=f"--retrievers={name}")
+    query = towers["query"]
+    if query.module is None:
+      raise ValueError(f"--retrievers={name}={weights}: the weights give no question tower.")
+    if (open(query.tokenizer.vocab_file, encoding="utf-8").read()
+        != open(self.tokenizer.vocab_file, encoding="utf-8").read()):
+      raise ValueError(f"--retrievers={name}={weights}: its vocabulary {query.tokenizer.vocab_file} "
+                       f"differs from the reader's {self.tokenizer.vocab_file}; the reader reads "
+                       "the blocks as its own word pieces: use a retriever of the same vocabulary.")
+    _, index, _ = build.build_index(config, os.path.join(self.workdir, "retrievers", name), towers,
+                                    corpus_root=self.workdir)
+    scale = float(self.config.score_scale) if query.module.normalize else 1.0
+    models = QaModels(query.module, self.models.reader, scale)
+    return OpenQa(self.batcher, models, {"query_tower": query.params, "reader": reader_params},
+                  index, table_by_row(self.corpus, index), reader_blocks=self.config.reader_blocks,
                   batch_size=self.config.eval_batch_size)
 
   def best_params(self) -> tuple[dict, dict]:
