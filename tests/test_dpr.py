@@ -177,7 +177,7 @@ def tiny_run(tmp_path_factory, tiny_corpus):
 
 
 @pytest.mark.slow
-def test_tiny_run_logs_exports_mean_pooled_towers_and_resumes(tiny_run, tiny_corpus):
+def test_tiny_run_logs_exports_mean_pooled_towers_and_resumes(tiny_run, tiny_corpus, tmp_path):
   from realm_jax.retrieval.towers import load_towers
   from realm_jax.text import BertTokenizer
   cfg, workdir, trainer = tiny_run
@@ -200,6 +200,20 @@ def test_tiny_run_logs_exports_mean_pooled_towers_and_resumes(tiny_run, tiny_cor
     want = jax.jit(functools.partial(trainer.model.apply, method=method))(
         {"params": trained}, *(batch[part][k] for k in KEYS))
     np.testing.assert_allclose(towers[which].embed(batch[part]), want, atol=1e-5)
+
+  # Pre-training's init=hf reads REALM's projected [CLS]: a mean-pooled scorer is refused (its
+  # towers would otherwise get a random projection without a word).
+  from realm_jax.checkpoints import save_hf_checkpoint
+  from realm_jax.configs.pretrain import get_config as pretrain_config
+  from realm_jax.train import init as pretrain_init
+  save_hf_checkpoint(tmp_path / "bert", trainer.model_config, trained["embedder"]["realm"], "bert")
+  pcfg = pretrain_config("tiny")
+  pcfg.init, pcfg.share_embedders = "hf", False
+  pcfg.retriever_weights, pcfg.encoder_weights = os.path.join(workdir, "export"), str(
+      tmp_path / "bert")
+  models, model_config, _ = pretrain_init.build_models(pcfg)
+  with pytest.raises(ValueError, match="mean-pooled"):
+    pretrain_init.init_params(pcfg, models, model_config, jax.random.key(0))
 
   # Resume: the last step's state and data position; another passage layout is refused.
   again = dpr.DPRTrainer(cfg, workdir)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from realm_jax.checkpoints.hf import CheckpointError, hf_key, overlay
+from realm_jax.checkpoints.hf import CheckpointError, hf_key, overlay, retriever_pooling
 from realm_jax.checkpoints.weights import MINILM, Weights, resolve
 from realm_jax.models.config import RealmConfig
 from realm_jax.models.encoder import KnowledgeAugEncoder
@@ -189,6 +189,12 @@ def init_params(config, models: RealmModels, model_config: RealmConfig, rng) -> 
     retriever, encoder = weights["retriever"], weights["encoder"]
     retriever.check_kind(("embedder", "retriever"),
                          "a REALM embedder or scorer (e.g. ICT's export, experiments/ict.py)")
+    if retriever.kind == "retriever" and retriever_pooling(retriever.names) != "projected_cls":
+      raise ValueError(
+          f"--config.retriever_weights={retriever.source} is a mean-pooled scorer (no [CLS] "
+          "projection `cls.dense`, e.g. a DPR or ICT export trained with pooling=mean); "
+          "pre-training with init=hf reads REALM's projected [CLS]. Use a scorer trained with "
+          "--config.pooling=projected_cls, or --config.init=minilm.")
     kind = encoder.check_kind(("encoder", "bert"),
                               "a REALM knowledge-augmented encoder or a BERT")
     has_head = kind == "encoder" or any(k.startswith(_MLM_HEAD) for k in encoder.names)
