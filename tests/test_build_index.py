@@ -174,3 +174,65 @@ def test_recall_at_more_blocks_than_the_corpus_names_the_flag(setup, tmp_path):
     build.build_and_evaluate(bad, str(tmp_path))
   bad.eval.ks = (1, 25)  # every block: the whole corpus ranked
   assert set(build.build_and_evaluate(bad, str(tmp_path))["recall"]) == {1, 25}
+
+
+@pytest.mark.slow
+def test_a_changed_corpus_embeds_only_its_new_blocks_and_equals_a_full_rebuild(setup, tmp_path,
+                                                                              monkeypatch, capsys):
+  """100 documents, then 10 added, 5 edited and 5 removed: only the 15 new blocks are embedded,
+  the update is published as the next version and equals a full rebuild (ids, vectors, search);
+  an update killed midway leaves the previous version in use and the next run finishes it."""
+  root, cfg, _ = setup
+  rng = np.random.default_rng(1)
+  text = lambda: " ".join(f"w{j}" for j in rng.integers(0, 60, 12)) + "."
+  docs = [{"title": f"doc {i}", "text": text()} for i in range(100)]
+  source = tmp_path / "docs.jsonl"
+  write = lambda ds: source.write_text("".join(json.dumps(d) + "\n" for d in ds))
+  cfg = cfg.copy_and_resolve_references()
+  cfg.corpus.paths, cfg.corpus.max_docs = (str(source),), 0
+  embedded = []
+  real_embed = build.embed_corpus
+  monkeypatch.setattr(build, "embed_corpus", lambda part, *a, **k: (
+      embedded.append(len(part)), real_embed(part, *a, **k))[1])
+  work = str(tmp_path / "work")
+  write(docs)
+  build.build_index(cfg, work)
+  assert embedded == [100]
+
+  changed = [dict(d) for d in docs[:95]] + [{"title": f"new {i}", "text": text()}
+                                            for i in range(10)]
+  for d in changed[:5]:
+    d["text"] = text()
+  write(changed)
+  corpus, index, _ = build.build_index(cfg, work)
+  assert embedded == [100, 15]
+  assert "embedded 15 new blocks, reused 90 (10 removed)" in capsys.readouterr().out
+  from realm_jax.retrieval.index_store import index_path, latest_index_dir
+  assert latest_index_dir(os.path.join(work, "index")) == index_path(os.path.join(work, "index"), 1)
+
+  rebuilt_corpus, rebuilt, _ = build.build_index(cfg, str(tmp_path / "full"))
+  np.testing.assert_array_equal(index.block_ids, rebuilt.block_ids)
+  np.testing.assert_allclose(index.embeddings(), rebuilt.embeddings(), atol=1e-5)
+  queries = rebuilt.embeddings()[:7] + 0.01
+  np.testing.assert_array_equal(index.search(queries, 5)[1], rebuilt.search(queries, 5)[1])
+  loaded = build.load_built_index(cfg, work)[1]  # what fine-tuning and evaluation load
+  np.testing.assert_array_equal(loaded.block_ids, rebuilt.block_ids)
+
+  # Killed while embedding the next update: the previous version stays; the next run finishes.
+  write(changed + [{"title": "late", "text": text()}])
+  def killed(*a, **k):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(build, "embed_corpus", killed)
+  with pytest.raises(KeyboardInterrupt):
+    build.build_index(cfg, work)
+  from realm_jax.retrieval.index_store import read_manifest
+  previous = latest_index_dir(os.path.join(work, "index"))
+  assert previous.endswith("index-00000001") and read_manifest(previous)["count"] == 105
+  monkeypatch.setattr(build, "embed_corpus", lambda part, *a, **k: (
+      embedded.append(len(part)), real_embed(part, *a, **k))[1])
+  _, index, _ = build.build_index(cfg, work)
+  assert embedded[-1] == 1 and index.count == 106
+  assert latest_index_dir(os.path.join(work, "index")).endswith("index-00000002")
+  build.build_index(cfg, work)  # unchanged: nothing embedded, nothing written
+  assert embedded[-1] == 1 and len(embedded) == 4
+  assert latest_index_dir(os.path.join(work, "index")).endswith("index-00000002")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+
+import numpy as np
 
 from realm_jax import config_checks, workdir_lock
 from realm_jax.data.blocks import BLOCKINGS
@@ -14,8 +17,9 @@ from realm_jax.io_utils import as_path
 from realm_jax.retrieval.embed import embed_corpus
 from realm_jax.models.config import COMPUTE_DTYPES
 from realm_jax.retrieval.index import DocIndex, index_options
-from realm_jax.retrieval.index_store import (DTYPES, arrays_crc32, index_path, latest_index_dir,
-                                             publish_index, read_manifest)
+from realm_jax.retrieval.index_store import (DTYPES, arrays_crc32, index_path, index_step,
+                                             latest_index_dir, publish_index, read_arrays,
+                                             read_manifest)
 from realm_jax.retrieval.searcher import SEARCHERS
 from realm_jax.retrieval.recall import evaluate_retrieval
 from realm_jax.retrieval.towers import load_towers
@@ -50,31 +54,105 @@ def open_corpus(config, workdir: str, vocab_file: str) -> Corpus:
                       CorpusConfig.from_config(config.corpus, vocab_file))
 
 
+def embedding_settings(config, tokenizer) -> str:
+  """What besides the tower's weights decides a block's embedding: the input length, the
+  truncation and the tokenizer (its vocabulary and casing). Recorded in each published index's
+  manifest: an updated corpus reuses the rows of an index made with the same settings only."""
+  h = hashlib.sha1(as_path(tokenizer.vocab_file).read_bytes())
+  h.update(f"|{tokenizer.lowercase}|{tokenizer.strip_accents}".encode())
+  return f"{config.max_length}-{config.truncate}-{h.hexdigest()[:12]}"
+
+
+class _Rows:
+  """The rows `rows` of a corpus, as `embed_corpus` reads a corpus (len, data_dir,
+  model_inputs): only an updated corpus's new and changed blocks are embedded."""
+
+  def __init__(self, corpus, rows: np.ndarray):
+    self.corpus, self.rows, self.data_dir = corpus, rows, corpus.data_dir
+
+  def __len__(self) -> int:
+    return len(self.rows)
+
+  def model_inputs(self, rows, max_length, tokenizer, truncate="b"):
+    return self.corpus.model_inputs(self.rows[np.asarray(rows)], max_length, tokenizer, truncate)
+
+
+def _update_rows(corpus, previous: str, manifest: dict) -> tuple[np.ndarray, np.ndarray]:
+  """(old row of each corpus row, -1 for a block the previous index lacks; the previous index's
+  embeddings [M, D] float32). Blocks are matched by id: a block's id hashes its title and text,
+  so an unchanged block keeps it and an edited one gets a new one."""
+  old_emb, old_ids = read_arrays(previous, manifest)
+  order = np.argsort(old_ids, kind="stable")
+  pos = np.minimum(np.searchsorted(old_ids[order], corpus.block_ids), len(order) - 1)
+  found = old_ids[order][pos] == corpus.block_ids
+  return np.where(found, order[pos], -1), old_emb
+
+
 def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | None = None,
                 corpus_root: str | None = None):
-  """Corpus + weights -> `workdir/index/index-00000000` (published atomically). Returns
-  (corpus, index, document tower). Every stage resumes: the corpus and finished embedding shards
-  are reused. `towers`: already loaded `towers_of(config)`. `min_blocks`: {flag: count} of the
-  caller's settings that need that many blocks, refused once the corpus is known, before it is
-  embedded. `corpus_root`: the directory whose corpus/ holds (or gets) the corpus, when another
-  work directory's built corpus serves (default: `workdir`)."""
+  """Corpus + weights -> a published index in `workdir/index` (atomically: the newest one stays in
+  use until the new one is complete). Returns (corpus, index, document tower).
+
+  Every stage resumes: the corpus and finished embedding shards are reused. A corpus that changed
+  since the published index (documents added, edited or removed) is an update when that index was
+  embedded by the same tower with the same settings (`embedding_settings`, storage dtype): its
+  unchanged blocks
+  keep their ids and rows, only new and changed blocks are embedded, removed ones leave, and the
+  result is published as the next index version (index-<n + 1>); otherwise every block is
+  embedded and published as index-00000000. An unchanged corpus writes nothing.
+
+  `towers`: already loaded `towers_of(config)`. `min_blocks`: {flag: count} of the caller's
+  settings that need that many blocks, refused once the corpus is known, before it is embedded.
+  `corpus_root`: the directory whose corpus/ holds (or gets) the corpus, when another work
+  directory's built corpus serves (default: `workdir`)."""
   check_settings(config)
   options = index_options(config.index)  # checked before the corpus is built and embedded
   tower = (towers or towers_of(config))["document"]
   corpus = open_corpus(config, corpus_root or workdir, tower.tokenizer.vocab_file)
   check_corpus_size(corpus, min_blocks or {})
-  fingerprint = f"{corpus.fingerprint}-{tower.fingerprint}-{config.max_length}-{config.truncate}"
-  emb = embed_corpus(corpus, tower.embed, tower.tokenizer,
-                     os.path.join(workdir, "embeddings", fingerprint), config.max_length,
-                     config.truncate, config.shard_size, config.batch_size,
-                     fingerprint=fingerprint)
-  index = DocIndex(emb, corpus.block_ids, **options)
+  settings = embedding_settings(config, tower.tokenizer)
   root = os.path.join(workdir, "index")
-  if _published(root, index, tower.fingerprint, corpus.fingerprint):
+  previous = latest_index_dir(root)
+  manifest = read_manifest(previous) if previous else {}
+  same_tower = (manifest.get("model_fingerprint"), manifest.get("embedding_settings"),
+                manifest.get("dtype")) == (tower.fingerprint, settings, options["dtype"])
+  if same_tower and manifest["corpus_fingerprint"] == corpus.fingerprint:
+    logging.info("The index in %s is current: nothing written.", previous)
+    return corpus, DocIndex.load(previous, **options), tower
+  fingerprint = f"{corpus.fingerprint}-{tower.fingerprint}-{config.max_length}-{config.truncate}"
+  out_dir = os.path.join(workdir, "embeddings", fingerprint)
+  embed = lambda part, directory, fp: embed_corpus(
+      part, tower.embed, tower.tokenizer, directory, config.max_length, config.truncate,
+      config.shard_size, config.batch_size, fingerprint=fp)
+  step = 0
+  if same_tower:  # an update of the published index: embed only what it lacks
+    old_rows, old_emb = _update_rows(corpus, previous, manifest)
+    new = np.flatnonzero(old_rows < 0)
+    emb = np.empty((len(corpus), old_emb.shape[1]), np.float32)
+    kept = old_rows >= 0
+    emb[kept] = old_emb[old_rows[kept]]
+    if len(new):
+      emb[new] = embed(_Rows(corpus, new), f"{out_dir}-update",
+                       f"{fingerprint}|new blocks since {manifest['save_id']}")
+    step = index_step(previous) + 1
+    removed = manifest["count"] - int(kept.sum())
+    message = (f"Corpus update: embedded {len(new):,} new blocks, reused {int(kept.sum()):,} "
+               f"({removed:,} removed); publishing it as version {step} of {root}.")
+    logging.info(message)
+    print(message)
+  else:
+    if previous:
+      logging.info("%s was embedded by other weights or settings (%s, %s): every block is "
+                   "embedded with %s.", previous, manifest.get("model_fingerprint"),
+                   manifest.get("embedding_settings", "no settings recorded"), tower.fingerprint)
+    emb = embed(corpus, out_dir, fingerprint)
+  index = DocIndex(emb, corpus.block_ids, **options)
+  if step == 0 and _published(root, index, tower.fingerprint, corpus.fingerprint):
     logging.info("The index in %s is current: nothing written.", root)
     return corpus, index, tower
-  path = publish_index(root, index, step=0, model_fingerprint=tower.fingerprint,
-                       corpus_fingerprint=corpus.fingerprint)
+  path = publish_index(root, index, step=step, model_fingerprint=tower.fingerprint,
+                       corpus_fingerprint=corpus.fingerprint,
+                       extra={"embedding_settings": settings})
   logging.info("Index of %d blocks x %d published at %s", len(corpus), emb.shape[1], path)
   return corpus, index, tower
 

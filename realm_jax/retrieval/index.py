@@ -145,7 +145,8 @@ class DocIndex:
     return scores, self.block_ids[rows]
 
   def save(self, directory: str | os.PathLike, *, step: int, model_fingerprint: str,
-           corpus_fingerprint: str, embeddings: np.ndarray | None = None) -> None:
+           corpus_fingerprint: str, embeddings: np.ndarray | None = None,
+           extra: dict | None = None) -> None:
     """Writes `index.safetensors` and `manifest.json` into `directory`, atomically (replacing it).
 
     Args:
@@ -156,6 +157,7 @@ class DocIndex:
       corpus_fingerprint: identifies the blocks (text and order); `load` can insist on it.
       embeddings: the [N, D] rows this index was built from, when the caller still has them: an
         index sharded over several hosts holds only its own rows on each.
+      extra: more manifest fields (e.g. build_index's `embedding_settings`).
     """
     config_checks.whole_number("step", step, 0, None, " (the training step)")
     if embeddings is None:
@@ -163,7 +165,8 @@ class DocIndex:
     elif np.shape(embeddings) != (self.count, self.dim):
       raise ValueError(f"embeddings has shape {np.shape(embeddings)}; this index is "
                        f"[{self.count}, {self.dim}].")
-    write_index(directory, {"step": int(step), "model_fingerprint": str(model_fingerprint),
+    write_index(directory, {**(extra or {}), "step": int(step),
+                            "model_fingerprint": str(model_fingerprint),
                             "corpus_fingerprint": str(corpus_fingerprint),
                             "dtype": self.dtype.name, "count": self.count, "dim": self.dim},
                 np.asarray(embeddings).astype(self.dtype, copy=False), self.block_ids)

@@ -169,16 +169,17 @@ def index_path(root: str | os.PathLike, step: int) -> str:
 
 
 def publish_index(root: str | os.PathLike, index: DocIndex, step: int, *, model_fingerprint: str,
-                  corpus_fingerprint: str, embeddings: np.ndarray | None = None) -> str:
+                  corpus_fingerprint: str, embeddings: np.ndarray | None = None,
+                  extra: dict | None = None) -> str:
   """Saves `index` as `root/index-{step:08d}`, then points `root/LATEST` at it; returns its path.
 
   The index directory is complete (manifest written last) before LATEST names it, and LATEST is
-  replaced in one piece, so a reader that follows LATEST never sees a partial index. `embeddings`:
-  see `DocIndex.save`.
+  replaced in one piece, so a reader that follows LATEST never sees a partial index. `embeddings`,
+  `extra`: see `DocIndex.save`.
   """
   path = index_path(root, step)
   index.save(path, step=step, model_fingerprint=model_fingerprint,
-             corpus_fingerprint=corpus_fingerprint, embeddings=embeddings)
+             corpus_fingerprint=corpus_fingerprint, embeddings=embeddings, extra=extra)
   point_latest(root, path)
   return path
 

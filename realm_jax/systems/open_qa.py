@@ -99,12 +99,13 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
 
 def open_index(config, workdir: str, build_missing: bool = True, towers=None):
   """(corpus, index, towers): the index published in `workdir`, built first if it is not there
-  (else, with build_missing=False, a FileNotFoundError that says how to build it). `towers`:
+  or updated if the corpus changed (else, with build_missing=False, a FileNotFoundError that says
+  how to build it). `towers`:
   already loaded `build.towers_of(config.retrieval, "--config.retrieval")`."""
   if not build_missing:
     check_index(workdir)
   towers = towers or build.towers_of(config.retrieval, "--config.retrieval")
-  if latest_index_dir(os.path.join(workdir, "index")) is None:
+  if build_missing:  # also brings an index whose corpus changed up to date (only new blocks)
     corpus, index, _ = build.build_index(config.retrieval, workdir, towers,
                                          min_blocks={"--config.beam": config.beam})
   else:
