@@ -29,6 +29,9 @@ _TEMPERATURE = flags.DEFINE_list("temperature", ["1"], "Softmax temperature of t
                                  "distances; several: tuned on the dev half with lambda.")
 _SEARCHER = flags.DEFINE_string("searcher", "exact", "exact | approx | scann "
                                 "(realm_jax/retrieval/searcher.py).")
+_SEARCHER_OPTIONS = flags.DEFINE_list(
+    "searcher_options", [], "The searcher's own whole-number settings as key=value, e.g. "
+    "reorder_num_neighbors=4096,dims_per_block=1 for ScaNN (retrieval/scann_searcher.py).")
 _DATASTORE_DIR = flags.DEFINE_list("datastore_dir", None, "One datastore directory per model "
                                    "(default: <out>/datastore-<model name>); built, resumed or "
                                    "reused.")
@@ -43,6 +46,18 @@ def _floats(flag, values):
     cli.fail(f"--{flag}={','.join(values)}: give numbers separated by commas.")
 
 
+def _options(values) -> dict:
+  options = {}
+  for item in values:
+    key, _, value = item.partition("=")
+    try:
+      options[key.strip()] = int(value)
+    except ValueError:
+      cli.fail(f"--searcher_options={','.join(values)}: give key=whole number pairs separated "
+               f"by commas (not {item!r}).")
+  return options
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
@@ -52,8 +67,10 @@ def main(argv):
     cli.fail("give --workdir (a retro_train.py work directory), or all of --db, --models, --out.")
   lambdas = (_LAMBDA.value,) if _LAMBDA.value is not None else _floats("lambdas", _LAMBDAS.value)
   temperatures = _floats("temperature", _TEMPERATURE.value)
+  options = _options(_SEARCHER_OPTIONS.value)
   knnlm.check_settings(k=_K.value, lambdas=lambdas, temperatures=temperatures,
-                       searcher=_SEARCHER.value, batch_size=_BATCH.value, dtype=_KEY_DTYPE.value)
+                       searcher=_SEARCHER.value, batch_size=_BATCH.value, dtype=_KEY_DTYPE.value,
+                       searcher_options=options)
   if workdir and not os.path.isdir(workdir):
     cli.fail(f"--workdir={workdir}: no such directory; give a retro_train.py work directory.")
   if _MODELS.value:
@@ -76,7 +93,8 @@ def main(argv):
   report = knnlm.evaluate_knnlm(exports, db, out, datastore_dirs=dict(zip(exports, dirs)),
                                 k=_K.value, lambdas=lambdas, temperatures=temperatures,
                                 searcher=_SEARCHER.value, batch_size=_BATCH.value,
-                                dtype=_KEY_DTYPE.value)
+                                dtype=_KEY_DTYPE.value,
+                                searcher_options=options)
   print(knnlm.markdown(report))
   print(f"Written to {os.path.join(out, 'knnlm.md')} and knnlm.json.")
 

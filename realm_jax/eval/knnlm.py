@@ -38,7 +38,7 @@ DEV_SALT = "knnlm-dev"
 
 
 def check_settings(*, k: int, lambdas, temperatures, searcher: str, batch_size: int,
-                   dtype: str = "float32") -> None:
+                   dtype: str = "float32", searcher_options: dict | None = None) -> None:
   """Cheap checks of the evaluation's settings, naming their flags, before any work."""
   config_checks.whole_number("--k", k, 1, None, " (neighbours per token; the paper: 1024)")
   if not lambdas:
@@ -52,6 +52,12 @@ def check_settings(*, k: int, lambdas, temperatures, searcher: str, batch_size: 
                      "(the paper: 1).")
   if searcher not in SEARCHERS:
     raise ValueError(f"--searcher={searcher!r}: use one of {tuple(SEARCHERS)}.")
+  allowed = SEARCHERS[searcher].config_keys
+  for key, value in (searcher_options or {}).items():
+    if key not in allowed:
+      raise ValueError(f"--searcher_options: {searcher} has no setting {key!r}; its settings: "
+                       f"{allowed or 'none'}.")
+    config_checks.whole_number(f"--searcher_options={key}", value, 1)
   ds.check_options(dtype=dtype, batch_size=batch_size)
 
 
@@ -147,7 +153,7 @@ def evaluate_knnlm(exports: dict[str, str], db, out_dir: str, *, datastore_dirs:
   reused in datastore_dirs[name]); writes knnlm.json and knnlm.md to `out_dir`; returns the
   report. Every setting, export and datastore directory is checked before the first build."""
   check_settings(k=k, lambdas=lambdas, temperatures=temperatures, searcher=searcher,
-                 batch_size=batch_size, dtype=dtype)
+                 batch_size=batch_size, dtype=dtype, searcher_options=searcher_options)
   if k > ds.num_entries(db):
     raise ValueError(f"--k={k}: the datastore of {db.directory} holds {ds.num_entries(db)} "
                      "entries (its train tokens); ask for fewer neighbours.")
@@ -158,7 +164,8 @@ def evaluate_knnlm(exports: dict[str, str], db, out_dir: str, *, datastore_dirs:
         config, params, db, source=path, dtype=dtype, batch_size=batch_size))
   documents = db.documents("heldout")
   dev = dev_documents(documents)
-  report = {"k": k, "searcher": searcher, "lambdas": list(lambdas),
+  report = {"k": k, "searcher": searcher, "searcher_options": dict(searcher_options or {}),
+            "lambdas": list(lambdas),
             "temperatures": list(temperatures), "models": {}}
   for name, path in exports.items():
     config, params, _ = retro_export.load(path, flag="--models")
@@ -202,7 +209,7 @@ def markdown(report: dict) -> str:
     lines += [f"Test half of the held-out documents: {t['documents']:,} documents, "
               f"{t['tokens']:,} tokens, {t['bytes']:,} bytes (lambda and the temperature chosen "
               f"on the other half, {first['dev']['documents']:,} documents). k = {report['k']}, "
-              f"searcher {report['searcher']}.", ""]
+              f"searcher {report['searcher']} {report.get('searcher_options') or ''}.", ""]
   lines += ["| model | bits per byte ± s.e. | perplexity ± s.e. | + kNN-LM: bits per byte ± s.e. "
             "| perplexity ± s.e. | difference (paired), bits per byte ± s.e. | lambda | T |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
