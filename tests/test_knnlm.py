@@ -311,6 +311,8 @@ def test_the_scripts_mistakes_are_one_error_line(db, exports, retro_store, tmp_p
       ([*models, "--datastore_dir=" + retro_store[0]],
        ["--datastore_dir=" + retro_store[0], "another model", exports["retro"],
         exports["baseline"]]),
+      (["--db=" + db.directory, "--models=" + ",".join(exports.values()), "--out=" + out,
+        "--datastore_dir=" + out + "/d," + out + "/d"], ["--datastore_dir=", "its own directory"]),
   ]
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     results = list(pool.map(_run, [args for args, _ in cases]))

@@ -157,6 +157,9 @@ def evaluate_knnlm(exports: dict[str, str], db, out_dir: str, *, datastore_dirs:
   if k > ds.num_entries(db):
     raise ValueError(f"--k={k}: the datastore of {db.directory} holds {ds.num_entries(db)} "
                      "entries (its train tokens); ask for fewer neighbours.")
+  dirs = [datastore_dirs[name] for name in exports]
+  if len({os.path.abspath(d) for d in dirs}) < len(dirs):
+    raise ValueError(f"--datastore_dir={','.join(dirs)}: each model needs its own directory.")
   for name, path in exports.items():   # the cheap checks of every model before any work
     config, params, meta = retro_export.load(path, flag="--models")
     db.check_compatible(meta["tokenizer"], meta["key_fingerprint"])
@@ -165,8 +168,7 @@ def evaluate_knnlm(exports: dict[str, str], db, out_dir: str, *, datastore_dirs:
   documents = db.documents("heldout")
   dev = dev_documents(documents)
   report = {"k": k, "searcher": searcher, "searcher_options": dict(searcher_options or {}),
-            "lambdas": list(lambdas),
-            "temperatures": list(temperatures), "models": {}}
+            "lambdas": list(lambdas), "temperatures": list(temperatures), "models": {}}
   for name, path in exports.items():
     config, params, _ = retro_export.load(path, flag="--models")
     params = jax.device_put(params)
@@ -209,9 +211,11 @@ def markdown(report: dict) -> str:
     lines += [f"Test half of the held-out documents: {t['documents']:,} documents, "
               f"{t['tokens']:,} tokens, {t['bytes']:,} bytes (lambda and the temperature chosen "
               f"on the other half, {first['dev']['documents']:,} documents). k = {report['k']}, "
-              f"searcher {report['searcher']} {report.get('searcher_options') or ''}.", ""]
-  lines += ["| model | bits per byte ± s.e. | perplexity ± s.e. | + kNN-LM: bits per byte ± s.e. "
-            "| perplexity ± s.e. | difference (paired), bits per byte ± s.e. | lambda | T |",
+              f"searcher {report['searcher']}"
+              + (f" {report['searcher_options']}" if report.get("searcher_options") else "")
+              + ".", ""]
+  lines += ["| model | bits per byte ± s.e. | perplexity ± s.e. | + kNN-LM: bits per byte "
+            "± s.e. | perplexity ± s.e. | difference (paired), bits per byte ± s.e. | lambda | T |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name, m in models.items():
     a, b, d = m["test"]["alone"], m["test"]["knnlm"], m["test"]["difference"]
@@ -220,7 +224,8 @@ def markdown(report: dict) -> str:
                  f"{b['perplexity']:.1f} ± {b['perplexity_se']:.1f} | {d['bits_per_byte']:+.4f} "
                  f"± {d['se']:.4f} | {m['lambda']:.2f} | {m['temperature']:g} |")
   lines += ["", "| model | datastore entries | bytes | build (s) | searcher opened (s) | "
-            "queries | search (s) | queries/s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "queries | search (s) | queries/s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name, m in models.items():
     s, q = m["datastore"], m["search"]
     built = f"{s['seconds']:.1f}" + (" (reused)" if s["reused"] else "")

@@ -166,7 +166,8 @@ def _read_shard(path: str) -> tuple[np.ndarray, np.ndarray, float]:
     with safe_open(path, framework="numpy") as f:
       keys, values, meta = f.get_tensor("keys"), f.get_tensor("values"), f.metadata() or {}
   except (SafetensorError, OSError) as e:
-    raise ValueError(f"{path} cannot be read ({e}): delete it, and only it is computed again.") from e
+    raise ValueError(f"{path} cannot be read ({e}): delete it, and only it is computed "
+                     "again.") from e
   if arrays_crc32(keys, values) != meta.get("arrays_crc32"):
     raise ValueError(f"{path} is corrupt (its CRC-32 does not match): delete it, and only it is "
                      "computed again.")
@@ -241,10 +242,10 @@ def build_datastore(config: RetroConfig, params, db, directory: str, *, source: 
         bar.update(min(batch_size, hi - b))
       keys, values = np.concatenate(keys), np.concatenate(values)
       seconds = time.perf_counter() - start
+      meta = {"arrays_crc32": arrays_crc32(keys, values), "seconds": f"{seconds:.3f}"}
       io_utils.atomic_write(os.path.join(shard_dir, _shard_name(s, num_shards)),
-                            lambda p, k=keys, v=values, t=seconds: save_file(
-                                {"keys": k, "values": v}, p,
-                                metadata={"arrays_crc32": arrays_crc32(k, v), "seconds": f"{t:.3f}"}))
+                            lambda p, k=keys, v=values, m=meta: save_file(
+                                {"keys": k, "values": v}, p, metadata=m))
   return _finish(directory, shard_dir, num_shards, settings, db, config)
 
 
