@@ -23,7 +23,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from realm_jax import config_checks
 from realm_jax.data.blocks import BLOCKINGS
@@ -40,7 +39,7 @@ from realm_jax.text import BertTokenizer
 from realm_jax.text.tokenizer import TRUNCATIONS
 from realm_jax.train import loop, optimizer
 from realm_jax.train.realm_step import TrainState, loss_step
-from realm_jax.train.two_towers import (INITS, build_retriever, embed, export_retriever,
+from realm_jax.train.two_towers import (INITS, RetrieverTrainer, build_retriever, embed,
                                         in_batch_metrics, init_params)
 
 Array = jax.Array
@@ -102,7 +101,7 @@ def mined_examples(config, workdir: str, corpus, tokenizer: BertTokenizer) -> di
   return out
 
 
-class DPRTrainer(loop.TrainLoop):
+class DPRTrainer(RetrieverTrainer):
   """A DPR run (realm_jax/train/loop.py): `run()` trains to config.num_steps, then exports."""
 
   name = "DPR"
@@ -153,30 +152,11 @@ class DPRTrainer(loop.TrainLoop):
   def next_batch(self) -> dict:
     return self.put(next(self.data_iterator))
 
-  def train_metrics(self, step: int) -> dict[str, float]:
-    return {"learning_rate": float(self.schedule(step))}
-
   def evaluate(self) -> dict[str, float]:
     """Mean in-batch metrics (no dropout) over the first config.eval_batches batches of the dev
     questions' examples, in their order: the same pairs at every evaluation."""
-    dev = self.examples["dev"]
-    sums, n = None, 0
-    for i, batch in enumerate(self._batches(dev, 0, shuffle=False, num_epochs=1)):
-      if i >= self.config.eval_batches:
-        break
-      out = jax.device_get(self.eval_fn(self.state.params, self.put(batch)))
-      sums = out if sums is None else jax.tree.map(np.add, sums, out)
-      n += 1
-    return {k: float(v) / n for k, v in sums.items()}
-
-  def export(self) -> None:
-    if jax.process_index() == 0:
-      export_retriever(self.export_dir, self.model_config, self.state.params, self.vocab_file)
-
-  def finish(self, last_eval: dict[str, float], trained: bool) -> dict[str, float]:
-    if trained or not as_path(os.path.join(self.export_dir, "config.json")).exists():
-      self.export()
-    return last_eval
+    return self.mean_in_batch_metrics(
+        self.put(b) for b in self._batches(self.examples["dev"], 0, shuffle=False, num_epochs=1))
 
 
 def check_run_settings(config, workdir: str) -> None:

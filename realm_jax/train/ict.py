@@ -37,9 +37,10 @@ from realm_jax.retrieval.build import open_corpus
 from realm_jax.text import BertTokenizer, join_bert
 from realm_jax.train import loop, optimizer
 from realm_jax.train.realm_step import TrainState, loss_step
-# The towers, their starting weights, the in-batch loss and the export (shared with DPR).
-from realm_jax.train.two_towers import (INITS, build_retriever, embed, export_retriever,
-                                        in_batch_metrics, init_params)
+# The towers, their starting weights, the in-batch loss and the export (shared with DPR; the
+# export stays importable from here too).
+from realm_jax.train.two_towers import (INITS, RetrieverTrainer, build_retriever, embed,  # noqa: F401
+                                        export_retriever, in_batch_metrics, init_params)
 
 Array = jax.Array
 SPLITS = ("train", "heldout")
@@ -219,7 +220,7 @@ def eval_step(params, batch: dict, *, model: RealmRetriever, score_scale: float 
 # ---------------------------------------------------------------------------------------------
 
 
-class ICTTrainer(loop.TrainLoop):
+class ICTTrainer(RetrieverTrainer):
   """An ICT run (realm_jax/train/loop.py): `run()` trains to config.num_steps, then exports."""
 
   name = "ICT"
@@ -262,34 +263,17 @@ class ICTTrainer(loop.TrainLoop):
   def next_batch(self) -> dict:
     return self._pairs(next(self.data_iterator))
 
-  def train_metrics(self, step: int) -> dict[str, float]:
-    return {"learning_rate": float(self.schedule(step))}
-
   def evaluate(self) -> dict[str, float]:
     """Mean in-batch metrics (no dropout) over the first config.eval_batches held-out batches:
     the same pairs at every evaluation (fixed seed, remove_prob as in training)."""
-    sums, n = None, 0
-    for i, batch in enumerate(self._batches("heldout", seed=0, num_epochs=1)):
-      if i >= self.config.eval_batches:
-        break
-      out = jax.device_get(self.eval_fn(self.state.params, self._pairs(batch)))
-      sums = out if sums is None else jax.tree.map(np.add, sums, out)
-      n += 1
-    if n == 0:
+    got = self.mean_in_batch_metrics(
+        self._pairs(b) for b in self._batches("heldout", seed=0, num_epochs=1))
+    if got is None:
       raise ValueError(
           f"The held-out blocks of {self.corpus.data_dir} do not fill one batch of "
           f"{self.host_batch}: raise config.heldout_percent, lower config.batch_size, or set "
           "--config.eval_every=0.")
-    return {k: float(v) / n for k, v in sums.items()}
-
-  def export(self) -> None:
-    if jax.process_index() == 0:
-      export_retriever(self.export_dir, self.model_config, self.state.params, self.vocab_file)
-
-  def finish(self, last_eval: dict[str, float], trained: bool) -> dict[str, float]:
-    if trained or not as_path(os.path.join(self.export_dir, "config.json")).exists():
-      self.export()
-    return last_eval
+    return got
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, float]:

@@ -28,6 +28,7 @@ from realm_jax.io_utils import as_path, atomic_write_dir, is_remote
 from realm_jax.models.config import RealmConfig
 from realm_jax.models.retriever import POOLINGS, RealmRetriever
 from realm_jax.text.tokenizer import TOKENIZER_CONFIG
+from realm_jax.train import loop
 from realm_jax.train.init import sized_model_config
 
 Array = jax.Array
@@ -145,3 +146,33 @@ def export_retriever(directory: str, model_config: RealmConfig, params, vocab_fi
       (as_path(directory) / TOKENIZER_CONFIG).unlink(missing_ok=True)
   atomic_write_dir(directory, write, marker="config.json")
   logging.info("Exported the retriever to %s", directory)
+
+
+class RetrieverTrainer(loop.TrainLoop):
+  """What a retriever trainer (ICT, DPR) adds to the loop: the learning rate in the train metrics,
+  mean in-batch metrics over a few fixed batches, and the export when the run ends. A subclass
+  sets `export_dir`, `model_config`, `vocab_file`, `schedule` and `eval_fn(params, batch)`."""
+
+  def train_metrics(self, step: int) -> dict[str, float]:
+    return {"learning_rate": float(self.schedule(step))}
+
+  def mean_in_batch_metrics(self, batches) -> dict[str, float] | None:
+    """The mean of `eval_fn` (no dropout) over the first config.eval_batches of `batches` (global
+    arrays); None when `batches` yields none."""
+    sums, n = None, 0
+    for i, batch in enumerate(batches):
+      if i >= self.config.eval_batches:
+        break
+      out = jax.device_get(self.eval_fn(self.state.params, batch))
+      sums = out if sums is None else jax.tree.map(np.add, sums, out)
+      n += 1
+    return None if n == 0 else {k: float(v) / n for k, v in sums.items()}
+
+  def export(self) -> None:
+    if jax.process_index() == 0:
+      export_retriever(self.export_dir, self.model_config, self.state.params, self.vocab_file)
+
+  def finish(self, last_eval: dict[str, float], trained: bool) -> dict[str, float]:
+    if trained or not as_path(os.path.join(self.export_dir, "config.json")).exists():
+      self.export()
+    return last_eval
