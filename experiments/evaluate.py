@@ -47,7 +47,7 @@ def main(argv):
   report.check_systems(_SYSTEMS.value, [r for r in _RECALL_ONLY.value if r not in retrievers])
   for name, weights in retrievers.items():  # a missing directory fails before anything loads
     resolve(weights, flag=f"--retrievers={name}")
-  config = _CONFIG.value or open_qa.load_workdir_config(workdir)
+  config = open_qa.apply_init(_CONFIG.value or open_qa.load_workdir_config(workdir))
   # Refused before the questions, the index and the models are loaded: a work directory without
   # a fine-tuned model (first: check_writable would create a misspelt --workdir), and an eval/
   # that cannot be written.

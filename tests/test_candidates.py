@@ -70,3 +70,17 @@ def test_a_title_longer_than_the_document_is_cut_as_ict_cuts_it():
   np.testing.assert_array_equal(docs["attention_mask"][1, 1], np.ones(8))
   np.testing.assert_array_equal(batch["joint"]["input_ids"][0, 1, :7],
                                 [CLS, 5, MASK, MASK, SEP, 7, 8])
+
+
+def test_without_the_null_document_it_is_masked_unless_nothing_was_retrieved():
+  corpus = _Corpus({0: ([50], [7, 8]), 1: ([51], [9])})
+  rows = np.array([[0, 1], [-1, -1]])
+  on = CandidateBuilder(corpus, CLS, SEP, num_candidates=3, doc_length=8, joint_length=12)
+  off = CandidateBuilder(corpus, CLS, SEP, num_candidates=3, doc_length=8, joint_length=12,
+                         null_document=False)
+  a, b = on.build(_queries(), rows), off.build(_queries(), rows)
+  np.testing.assert_array_equal(a["candidate_mask"], [[1, 1, 1], [1, 0, 0]])
+  # Example 1 retrieved nothing: the null document stays its only candidate.
+  np.testing.assert_array_equal(b["candidate_mask"], [[0, 1, 1], [1, 0, 0]])
+  for name in ("candidates", "joint"):  # the inputs themselves do not change
+    np.testing.assert_array_equal(a[name]["input_ids"], b[name]["input_ids"])

@@ -70,7 +70,23 @@ def _start_uninterrupted(tmp_path_factory):
   return [proc], finish
 
 
-EARLY = {"first_run": _start_uninterrupted}  # (conftest.py starts it with the session)
+def _start_ablated(tmp_path_factory):
+  """A tiny run with three ablations at once (its own data, in parallel with the first run):
+  a frozen retriever, no null document and the index of the starting weights throughout."""
+  data_dir = str(tmp_path_factory.mktemp("ablated_data"))
+  workdir = str(tmp_path_factory.mktemp("ablated"))
+  proc = run(workdir, data_dir, "--config.retriever_learning_rate=0", "--config.null_document=False",
+             "--config.index.refresh=none", wait=False)
+
+  def finish():
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return workdir
+  return [proc], finish
+
+
+EARLY = {"first_run": _start_uninterrupted,  # (conftest.py starts them with the session)
+         "ablated": _start_ablated}
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +97,11 @@ def first_run(request):
 @pytest.fixture(scope="module")
 def data_dir(first_run):
   return first_run[0]
+
+
+@pytest.fixture(scope="module")
+def ablated(request):
+  return started_early(request, _start_ablated)
 
 
 # The tests that read the tiny run are marked slow.
@@ -124,6 +145,68 @@ def test_every_logged_row_has_the_retrieval_diagnostics(uninterrupted):
   for r in rows:  # fractions of examples whose masked span a retrieved block contains
     assert 0.0 <= r["span_in_candidates"] <= 1.0, r
     assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["null_accuracy"] <= 1.0, r
+
+
+@pytest.mark.slow
+def test_heldout_figures_per_sentence_add_up_to_the_logged_metrics(uninterrupted):
+  """eval/heldout-SSSSSSSS.json: one entry per held-out sentence, the same sentences at every
+  evaluation, summing to the logged held-out accuracy, null accuracy and utility."""
+  with open(os.path.join(uninterrupted, "metrics.jsonl")) as f:
+    logged = {r["step"]: r for r in map(json.loads, f) if r["split"] == "heldout"}
+  assert sorted(logged) == [0, 3, 6]
+  blocks = None
+  for step, row in logged.items():
+    with open(os.path.join(uninterrupted, "eval", f"heldout-{step:08d}.json")) as f:
+      got = json.load(f)
+    assert got["step"] == step and len(got["tokens"]) == 8  # eval_batches 1 x batch 8
+    blocks = blocks or got["block_id"]
+    assert got["block_id"] == blocks
+    tokens = sum(got["tokens"])
+    assert sum(got["correct"]) / tokens == pytest.approx(row["accuracy"], abs=1e-6)
+    assert sum(got["null_correct"]) / tokens == pytest.approx(row["null_accuracy"], abs=1e-6)
+    assert sum(got["utility"]) / tokens == pytest.approx(row["retrieval_utility"], abs=1e-5)
+    assert np.mean(got["span_found"]) == pytest.approx(row["span_in_candidates"])
+
+
+@pytest.mark.slow
+def test_the_run_exports_its_retriever_and_encoder_as_loadable_hf_checkpoints(uninterrupted):
+  """export/retriever and export/encoder hold the final parameters, read back by the one weights
+  resolver as a REALM scorer and a knowledge-augmented encoder."""
+  import jax
+  from realm_jax.checkpoints import resolve
+  final = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+           for path, v in final_params(uninterrupted, 6)}
+  for part, kind in (("retriever", "retriever"), ("encoder", "encoder")):
+    weights = resolve(os.path.join(uninterrupted, "export", part), flag="--test")
+    assert weights.kind == kind and os.path.exists(weights.vocab())
+    params, _ = weights.load(kind)
+    flat = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+            for path, v in jax.tree_util.tree_leaves_with_path(params)}
+    assert flat, part
+    for key, value in flat.items():
+      np.testing.assert_array_equal(value, final[f"{part}/{key}"], err_msg=key)
+
+
+@pytest.mark.slow
+def test_ablations_reach_the_run(ablated):
+  """A frozen retriever ends where it started; without the null document it has no probability
+  in any logged row; with refresh=none the one index is the starting weights' (staleness = step)."""
+  first = {"/".join(map(str, p)): np.asarray(v) for p, v in final_params(ablated, 2)
+           if "retriever" in str(p[0])}
+  last = {"/".join(map(str, p)): np.asarray(v) for p, v in final_params(ablated, 6)
+          if "retriever" in str(p[0])}
+  assert first and all(np.array_equal(first[k], last[k]) for k in first)
+  encoder = lambda step: [np.asarray(v) for p, v in final_params(ablated, step)
+                          if "encoder" in str(p[0])]
+  assert any(not np.array_equal(a, b) for a, b in zip(encoder(2), encoder(6)))
+  with open(os.path.join(ablated, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  assert rows and all(r["null_doc_prob"] == 0.0 for r in rows)
+  assert os.listdir(os.path.join(ablated, "index")) and sorted(
+      d for d in os.listdir(os.path.join(ablated, "index")) if d.startswith("index-")) == [
+          "index-00000000"]
+  assert [r["index_staleness"] for r in rows if r["split"] == "train"] == [
+      float(r["step"] - 1) for r in rows if r["split"] == "train"]
 
 
 @pytest.mark.slow

@@ -272,3 +272,57 @@ def test_spacy_entities_never_cut_a_regex_date(monkeypatch):
   got = [[(t[s:e], lab) for s, e, lab in spans]
          for t, spans in zip(texts, salient_spans(texts, "spacy"))]
   assert got == [[("44 BC", "DATE")], [("4 July 1990 Cup", "EVENT"), ("AD 79", "DATE")]]
+
+
+def _masked(batch, i):
+  k = int(batch["mlm_weights"][i].sum())
+  return np.sort(batch["mlm_positions"][i, :k]) - 1  # offsets into the sentence (after [CLS])
+
+
+def test_random_maskings_hide_as_many_pieces_and_find_entities_only_by_chance(setup,
+                                                                             regex_examples):
+  """config.masking: the same seed draws the same sentences and the same span length for all
+  three maskings; random spans are contiguous runs of that length, random tokens that many
+  distinct pieces; and random tokens land in a salient span as often as chance (the share of the
+  sentence's pieces inside one), salient masking always."""
+  out, _ = regex_examples
+  tok = setup[2]
+  records = _records(out, "train")
+  by_block = {}
+  for r in records:
+    by_block.setdefault(r["block_id"], []).append(r)
+  runs = {m: _batches(out, tok, 60, masking=m) for m in pretrain.MASKINGS}
+  inside = {m: [0, 0] for m in pretrain.MASKINGS}
+  chance = []
+  for step in range(60):
+    b = {m: runs[m][step] for m in pretrain.MASKINGS}
+    np.testing.assert_array_equal(b["random_tokens"]["block_id"], b["salient_spans"]["block_id"])
+    for i in range(4):
+      n = int(b["salient_spans"]["attention_mask"][i].sum()) - 2
+      ids = b["salient_spans"]["input_ids"][i].copy()
+      ids[b["salient_spans"]["mlm_positions"][i, :int(b["salient_spans"]["mlm_weights"][i].sum())]] = 0
+      sentence = [r for r in by_block[int(b["salient_spans"]["block_id"][i])]
+                  if len(r["token_ids"]) == n and all(
+                      x == 0 or x == t for x, t in zip(ids[1:n + 1], r["token_ids"]))][0]
+      in_span = np.zeros(n, bool)
+      for s, e in sentence["spans"]:
+        in_span[s:e] = True
+      chance.append(in_span.mean())
+      salient = _masked(b["salient_spans"], i)
+      for m in pretrain.MASKINGS:
+        got = _masked(b[m], i)
+        assert len(got) == len(salient) and len(set(got.tolist())) == len(got)
+        assert 0 <= got.min() and got.max() < n
+        inside[m][0] += int(in_span[got].sum())
+        inside[m][1] += len(got)
+        ids_m = b[m]["input_ids"][i]
+        assert (ids_m[got + 1] == tok.mask_id).all() and (ids_m == tok.mask_id).sum() == len(got)
+      run = _masked(b["random_spans"], i)
+      np.testing.assert_array_equal(run, np.arange(run[0], run[0] + len(run)))
+  rate = {m: hit / total for m, (hit, total) in inside.items()}
+  assert rate["salient_spans"] == 1.0
+  # 480 masked pieces, chance ~0.46: +- 0.1 is about four standard errors.
+  assert abs(rate["random_tokens"] - float(np.mean(chance))) < 0.1, (rate, np.mean(chance))
+  assert rate["random_tokens"] < 0.8 and rate["random_spans"] < 0.9, rate
+  with pytest.raises(ValueError, match="masking"):
+    _batches(out, tok, 1, masking="whole_words")

@@ -523,3 +523,50 @@ def test_a_bert_encoder_keeps_its_pretrained_mlm_head(tmp_path):
   config.mlm_transform_init = "identity"
   with pytest.raises(ValueError, match="would overwrite the MLM head of .*e; keep the default"):
     init_params(config, models, got_config, jax.random.key(0))
+
+
+@pytest.mark.slow
+def test_without_the_null_document_the_loss_is_that_of_the_other_candidates():
+  """candidate_mask[:, 0] = 0 (config.null_document=False) gives the loss and retrieval log
+  probabilities of the same batch with candidate 0 removed altogether."""
+  models = make_models()
+  params = make_params(models)
+  batch = make_batch(seed=3)
+  batch["candidate_mask"][:, 0] = 0.0
+  loss_fn = jax.jit(functools.partial(realm_loss, models=models))
+  loss, stats = loss_fn(params, batch)
+  cut = dict(batch)
+  for name in ("candidates", "joint"):
+    cut[name] = {n: x[:, 1:] for n, x in batch[name].items()}
+  cut["candidate_mask"] = batch["candidate_mask"][:, 1:]
+  want, want_stats = loss_fn(params, cut)
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+  assert float(stats["null_prob_sum"]) == 0.0
+  np.testing.assert_allclose(float(stats["entropy_sum"]), float(want_stats["entropy_sum"]),
+                             rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_frozen_retriever_keeps_its_weights_and_clips_the_encoder_alone():
+  """config.retriever_learning_rate=0: the step stops the retriever's gradient (the global norm is
+  the encoder's alone, from jax.grad of the loss in the encoder only) and the optimiser leaves it
+  as it was; the encoder moves."""
+  from ml_collections import ConfigDict
+  from realm_jax.train.optimizer import from_config
+  models = RealmModels(RealmRetriever(CFG), KnowledgeAugEncoder(CFG), 1.0, train_retriever=False)
+  params = make_params(models)
+  batch = make_batch(seed=1)
+  config = ConfigDict(dict(learning_rate=1e-3, retriever_learning_rate=0.0, num_steps=10,
+                           warmup_steps=0, weight_decay=0.01, clip_norm=1.0))
+  _, tx = from_config(config)
+  state = TrainState.create(apply_fn=None, params=params, tx=tx)
+  new, out = jax.jit(functools.partial(train_step, models=models, dropout=False))(
+      state, batch, jax.random.key(0))
+  encoder_grads = jax.grad(lambda e: realm_loss({**params, "encoder": e}, batch, models)[0])(
+      params["encoder"])
+  np.testing.assert_allclose(float(out["grad_norm"]), float(optax.tree.norm(encoder_grads)),
+                             rtol=1e-5)
+  chex.assert_trees_all_equal(new.params["retriever"], params["retriever"])
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
+                                       new.params["encoder"], params["encoder"]))
+  assert max(moved) > 1e-4

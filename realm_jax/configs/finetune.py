@@ -27,6 +27,10 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
   # The frozen index and where the question tower starts: a build_index config, built into the
   # fine-tuning work directory if it is not there yet.
   c.retrieval = build_index.get_config("wiki_vital_minilm")
+  # A realm_jax pre-training work directory (experiments/pretrain.py): its exported retriever
+  # becomes retrieval.weights (the question tower's start and the index's document tower) and its
+  # knowledge-augmented encoder reader_weights. "": those two as given.
+  c.init = ""
   c.score_scale = 20.0            # retriever logit = score_scale * <q, z> (cosines for MiniLM)
   c.reader_weights = "minilm"     # minilm | a HF directory: REALM reader, encoder or a BERT
   c.reader_layers = 0             # >0: keep only the first N transformer layers of the reader

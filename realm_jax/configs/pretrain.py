@@ -69,6 +69,12 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.doc_length = 288
   c.joint_length = 384
   c.num_candidates = 8            # K, the null document included
+  # Ablations (REALM Table 3; experiments/ablations.py): what the training queries mask
+  # (salient_spans | random_spans | random_tokens, as many word pieces as the salient span; the
+  # held-out evaluation always masks salient spans) and whether the null document is a candidate.
+  # A frozen retriever is retriever_learning_rate=0; a stale index is index.refresh='none'.
+  c.masking = "salient_spans"
+  c.null_document = True
 
   c.batch_size = 512              # global, over all devices and hosts
   c.num_steps = 200_000

@@ -387,28 +387,54 @@ def special_ids(tokenizer: BertTokenizer) -> tuple[int, int, int, int]:
   return tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id, tokenizer.pad_id
 
 
+# What a pre-training query masks (config.masking; REALM section 3.4 and its Table 3 ablation):
+#   salient_spans  one salient span (a named entity or date) of the sentence
+#   random_spans   a contiguous run of as many word pieces, starting anywhere in the sentence
+#   random_tokens  as many word pieces, each anywhere in the sentence
+# The two random maskings hide exactly as many word pieces as the salient span they replace, so
+# the variants differ only in WHICH pieces are masked, not in how many.
+MASKINGS = ("salient_spans", "random_spans", "random_tokens")
+
+
+def masked_offsets(masking: str, spans, n: int, rng: np.random.Generator) -> np.ndarray:
+  """Sorted offsets (into the sentence's n word pieces) that one query masks: one of its salient
+  `spans` ([start, end) ranges) is drawn, then `masking` decides where its length goes."""
+  start, end = spans[rng.integers(len(spans))]
+  k = end - start
+  if masking == "salient_spans":
+    return np.arange(start, end, dtype=np.int32)
+  if masking == "random_spans":
+    first = int(rng.integers(n - k + 1))
+    return np.arange(first, first + k, dtype=np.int32)
+  if masking == "random_tokens":
+    return np.sort(rng.choice(n, size=k, replace=False)).astype(np.int32)
+  raise ValueError(f"--config.masking={masking!r}: use one of {MASKINGS}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskOneSpan:
-  """grain random map: JSON record -> masked query with ONE of its spans (chosen by `rng`)."""
+  """grain random map: JSON record -> masked query with ONE of its spans (chosen by `rng`),
+  masked as `masking` says (`masked_offsets`)."""
   query_length: int
   max_masked: int
   cls_id: int
   sep_id: int
   mask_id: int
   pad_id: int
+  masking: str = "salient_spans"
 
   def __call__(self, record: bytes, rng: np.random.Generator) -> dict[str, np.ndarray]:
     ex = json.loads(record)
     ids = np.asarray(ex["token_ids"], np.int32)                        # [n <= Lq - 2]
-    start, end = ex["spans"][rng.integers(len(ex["spans"]))]
     n, lq, m = len(ids), self.query_length, self.max_masked
+    offsets = masked_offsets(self.masking, ex["spans"], n, rng)        # [k <= M]
     input_ids = np.full(lq, self.pad_id, np.int32)                     # [Lq]
     input_ids[0], input_ids[1:n + 1], input_ids[n + 1] = self.cls_id, ids, self.sep_id
-    positions = np.arange(start, end, dtype=np.int32) + 1              # +1: after [CLS]
+    positions = offsets + 1                                            # +1: after [CLS]
     input_ids[positions] = self.mask_id
-    k = end - start
+    k = len(offsets)
     mlm_positions, mlm_targets = np.zeros(m, np.int32), np.zeros(m, np.int32)
-    mlm_positions[:k], mlm_targets[:k] = positions, ids[start:end]
+    mlm_positions[:k], mlm_targets[:k] = positions, ids[offsets]
     return {"input_ids": input_ids,
             "attention_mask": (np.arange(lq) < n + 2).astype(np.int32),
             "token_type_ids": np.zeros(lq, np.int32),
@@ -456,7 +482,7 @@ def check_slice(shard_index: int, shard_count: int, seed: int) -> None:
 def pretrain_batches(examples_dir: str, split: str, *, batch_size: int, seed: int,
                      query_length: int, max_masked: int, tokenizer_ids: Sequence[int],
                      shard_index: int = 0, shard_count: int = 1, num_epochs: int | None = None,
-                     read_options=None):
+                     read_options=None, masking: str = "salient_spans"):
   """A checkpointable iterator of masked-query batches of one split (this host's shard).
 
   Args:
@@ -472,6 +498,7 @@ def pretrain_batches(examples_dir: str, split: str, *, batch_size: int, seed: in
       (and each host reads and masks only its own examples).
     num_epochs: None repeats forever.
     read_options: grain.ReadOptions (default: 2 threads, 8 batches prefetched).
+    masking: which word pieces a query masks (MASKINGS; the span drawn is the same for all three).
   Returns:
     grain DatasetIterator of dicts of numpy arrays: input_ids, attention_mask, token_type_ids
     [B, Lq] int32; mlm_positions, mlm_targets [B, M] int32 (0 = padding); mlm_weights [B, M]
@@ -487,6 +514,8 @@ def pretrain_batches(examples_dir: str, split: str, *, batch_size: int, seed: in
         f"max_masked={manifest['max_masked']}, not {query_length}, {max_masked}: use the same "
         "values, or build examples with these in another directory.")
   check_slice(shard_index, shard_count, seed)
+  if masking not in MASKINGS:
+    raise ValueError(f"--config.masking={masking!r}: use one of {MASKINGS}.")
   cls_id, sep_id, mask_id, pad_id = (int(i) for i in tokenizer_ids)
   source = grain.sources.ArrayRecordDataSource(
       os.path.join(io_utils.local_dir(examples_dir), f"{split}.array_record"))
@@ -499,8 +528,8 @@ def pretrain_batches(examples_dir: str, split: str, *, batch_size: int, seed: in
         "build more examples.")
   span_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
   ds = (ds.shuffle(seed=seed).repeat(num_epochs)
-        .random_map(MaskOneSpan(query_length, max_masked, cls_id, sep_id, mask_id, pad_id),
-                    seed=span_seed))
+        .random_map(MaskOneSpan(query_length, max_masked, cls_id, sep_id, mask_id, pad_id,
+                               masking), seed=span_seed))
   ds = HostSlice(ds, batch_size, shard_index, shard_count).batch(batch_size, drop_remainder=True)
   read_options = read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
   return iter(ds.to_iter_dataset(read_options))

@@ -41,7 +41,9 @@ def evaluate_open_qa(qa: OpenQa, questions: Sequence[dict], *, ks: Sequence[int]
   dense retriever (the BM25 + same reader baseline).
 
   Returns {"em": %, "recall": {k: %}, "count", "seconds", "predictions": [...]}, each prediction
-  with the gold `answers`, `correct`, and `answer_in_read` (an answer occurs in a read block).
+  with the gold `answers`, `correct`, `answer_in_read` (an answer occurs in a read block) and
+  `first_hit` (the rank of the first retrieved block holding an answer, 1-based; 0: none of the
+  max(ks, reader_blocks) retrieved: recall@k of a question is 0 < first_hit <= k).
   read=False: retrieval only (em None, no predictions).
   """
   from tqdm.auto import tqdm
@@ -72,6 +74,7 @@ def evaluate_open_qa(qa: OpenQa, questions: Sequence[dict], *, ks: Sequence[int]
     p["answers"] = answers_of(q)[0]
     p["correct"] = bool(is_correct(p["answer"], q))
     p["answer_in_read"] = bool(hits[i, :qa.reader_blocks].any())
+    p["first_hit"] = int(np.argmax(hits[i])) + 1 if hits[i].any() else 0  # rank; 0: none
     p["retrieved"] = [int(b) for b in qa.corpus.block_ids[rows[i][rows[i] >= 0]]]
     correct += p["correct"]
   n = max(len(questions), 1)

@@ -28,6 +28,7 @@ import ml_collections
 import numpy as np
 
 from realm_jax.checkpoints import overlay, resolve
+from realm_jax.checkpoints.export import pretraining_exports
 from realm_jax.data.qa import load_questions, split_by_hash
 from realm_jax.data.qa_batches import QaBatcher, ReaderLayout
 from realm_jax.io_utils import as_path, read_json
@@ -62,6 +63,30 @@ def split_questions(config) -> dict[str, list[dict]]:
 
 
 # --------------------------------------------------------------------------------------- models
+def apply_init(config):
+  """Sets config.retrieval.weights and config.reader_weights from config.init, a pre-training work
+  directory (its `export/retriever` and `export/encoder`), in place; returns config. Refuses a
+  directory without both exports, and weights given beside it that are not its own."""
+  init = config.get("init", "")
+  if not init:
+    return config
+  exports = pretraining_exports(init)
+  for name, path in exports.items():
+    if not as_path(os.path.join(path, "config.json")).exists():
+      raise FileNotFoundError(
+          f"--config.init={init} has no exported {name} ({path}/config.json): pre-training writes "
+          "export/retriever and export/encoder when it ends. Finish it, or start it again with "
+          f"its own --config and --workdir={init} to write a missing export.")
+  given = {"retriever": ("--config.retrieval.weights", config.retrieval.weights),
+           "encoder": ("--config.reader_weights", config.reader_weights)}
+  for name, (flag, value) in given.items():
+    if value not in ("minilm", exports[name]):
+      raise ValueError(f"{flag}={value} and --config.init={init} (whose {name} is "
+                       f"{exports[name]}) both name weights: pass one of them.")
+  config.retrieval.weights, config.reader_weights = exports["retriever"], exports["encoder"]
+  return config
+
+
 def load_reader(config) -> tuple[RealmReader, dict, str]:
   """(reader module, its parameters, vocab file): the BERT from config.reader_weights, a new span
   scorer (unless the weights are a REALM reader, which brings its own)."""

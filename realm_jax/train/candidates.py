@@ -45,10 +45,13 @@ class CandidateBuilder:
     num_candidates: K, including the null document.
     doc_length: Ld, `[CLS] title [SEP] body [SEP]` for the document tower (REALM: 288).
     joint_length: Le, `[CLS] x [SEP] body [SEP]` for the encoder (REALM: 384).
+    null_document: False masks the null document out of p(z|x) (an ablation: the encoder must
+      read a retrieved block even when none helps); it stays the candidate of a query that
+      retrieved nothing, so that every query has one. The shapes do not change.
   """
 
   def __init__(self, corpus, cls_id: int, sep_id: int, num_candidates: int, doc_length: int,
-               joint_length: int):
+               joint_length: int, null_document: bool = True):
     if num_candidates < 1:
       raise ValueError(f"num_candidates={num_candidates}: need at least 1 (the null document).")
     if doc_length < 3:
@@ -56,6 +59,7 @@ class CandidateBuilder:
                        "[SEP].")
     self.corpus, self.cls, self.sep = corpus, cls_id, sep_id
     self.k, self.doc_length, self.joint_length = num_candidates, doc_length, joint_length
+    self.null_document = null_document
     self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
   def _block(self, row: int) -> tuple[list[int], list[int]]:
@@ -106,6 +110,8 @@ class CandidateBuilder:
           found[i] = 1.0
         joint.append(x + body + [self.sep])
         joint_types.append([0] * len(x) + [1] * (len(body) + 1))
+      if not self.null_document and mask[i, 1:].any():
+        mask[i, 0] = 0.0
     reshape = lambda d, length: {n: v.reshape(b, k, length) for n, v in d.items()}
     return {
         "query": {n: queries[n] for n in ("input_ids", "attention_mask", "token_type_ids")},

@@ -35,7 +35,7 @@ from realm_jax.io_utils import as_path
 from realm_jax.retrieval import build
 from realm_jax.retrieval.index import index_options
 from realm_jax.checkpoints import training as checkpoints
-from realm_jax.systems.open_qa import BEST, QaSetup, load_reader, split_questions
+from realm_jax.systems.open_qa import BEST, QaSetup, apply_init, load_reader, split_questions
 from realm_jax.train import loop, optimizer
 from realm_jax.train.qa_step import qa_train_step, summarize_qa
 
@@ -278,5 +278,6 @@ class QaTrainer(loop.TrainLoop):
 def finetune(config, workdir: str) -> dict:
   """Fine-tunes to config.num_steps (resuming from `workdir`); returns the best dev result."""
   config_checks.workdir(workdir)
+  apply_init(config)
   build.check_settings(config.retrieval, "--config.retrieval")
   return loop.train(QaTrainer, config, workdir)

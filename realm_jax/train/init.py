@@ -114,7 +114,8 @@ def make_models(config, model_config: RealmConfig, mask_id: int = -1) -> RealmMo
   retriever's unless config.retriever_num_layers keeps fewer of its layers. Pooling follows the
   weights: MiniLM is mean-pooled and L2-normalised, HF REALM uses its projected [CLS], random
   models take config.pooling / config.normalize. With config.query_hides_mask, the query tower
-  ignores the [MASK] token `mask_id` (no parameter depends on it)."""
+  ignores the [MASK] token `mask_id` (no parameter depends on it). config.retriever_learning_rate
+  = 0 freezes the retriever (`RealmModels.train_retriever`)."""
   if config.init == "minilm":
     pooling, normalize = "mean", True
   elif config.init == "hf":
@@ -125,7 +126,8 @@ def make_models(config, model_config: RealmConfig, mask_id: int = -1) -> RealmMo
       RealmRetriever(retriever_model_config(config, model_config),
                      share_embedders=config.share_embedders, pooling=pooling,
                      normalize=normalize, query_ignore_id=mask_id),
-      KnowledgeAugEncoder(model_config), float(config.score_scale))
+      KnowledgeAugEncoder(model_config), float(config.score_scale),
+      train_retriever=config.get("retriever_learning_rate", -1.0) != 0)
 
 
 def param_shapes(models: RealmModels, model_config: RealmConfig) -> dict:

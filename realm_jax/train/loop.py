@@ -57,7 +57,7 @@ LOOP_MINIMUMS = {"batch_size": 1, "num_steps": 1, "log_every": 1, "eval_every": 
                  "checkpoint_every": 1, "keep_checkpoints": 1, "max_bad_steps": 1}
 # Fixed settings added after runs were made without them, and the value those runs used.
 ADDED_SETTINGS = {"retriever_learning_rate": -1.0, "reader_title": True, "retriever_num_layers": 0,
-                  "pooling": "projected_cls"}
+                  "pooling": "projected_cls", "masking": "salient_spans", "null_document": True}
 
 
 def config_diff(old: dict, current: dict, keys: Iterable[str]) -> list[tuple[str, Any, Any]]:

@@ -75,7 +75,8 @@ def from_config(config) -> tuple[optax.Schedule, optax.GradientTransformation]:
   With config.retriever_learning_rate >= 0 (pre-training; -1 by default: learning_rate for
   everything) the parameters under "retriever" follow their own schedule of the same shape, and
   the others (the encoder) config.learning_rate; the gradient is still clipped as one. The
-  schedule returned is config.learning_rate's.
+  schedule returned is config.learning_rate's. retriever_learning_rate = 0 freezes the retriever:
+  no update and no optimiser state for it (the train step stops its gradient too).
   """
   warmup = None if config.warmup_steps < 0 else config.warmup_steps
   schedule = bert_schedule(config.learning_rate, config.num_steps, warmup)
@@ -83,8 +84,9 @@ def from_config(config) -> tuple[optax.Schedule, optax.GradientTransformation]:
   if retriever_lr < 0:
     return schedule, bert_adamw(config.learning_rate, config.num_steps, warmup,
                                 config.weight_decay, clip_norm=config.clip_norm)
-  parts = {"retriever": _adamw(bert_schedule(retriever_lr, config.num_steps, warmup),
-                              config.weight_decay),
+  parts = {"retriever": (optax.set_to_zero() if retriever_lr == 0 else
+                        _adamw(bert_schedule(retriever_lr, config.num_steps, warmup),
+                               config.weight_decay)),
            "rest": _adamw(schedule, config.weight_decay)}
   label = lambda params: {k: ("retriever" if k == "retriever" else "rest") for k in params}
   return schedule, optax.chain(optax.clip_by_global_norm(config.clip_norm),

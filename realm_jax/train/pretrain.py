@@ -27,12 +27,13 @@ import numpy as np
 
 from realm_jax import config_checks, distributed
 from realm_jax.data.corpus import CorpusConfig
-from realm_jax.data.pretrain import pretrain_batches, special_ids
-from realm_jax.io_utils import as_path
+from realm_jax.data.pretrain import MASKINGS, pretrain_batches, special_ids
+from realm_jax.io_utils import as_path, write_json
 from realm_jax.checkpoints import training as checkpoints
 from realm_jax.train import loop, memory, optimizer
 from realm_jax.train.candidates import CandidateBuilder, retrieve
-from realm_jax.train.init import build_models, init_params
+from realm_jax.checkpoints.export import export_hf, pretraining_exports
+from realm_jax.train.init import build_models, init_params, retriever_model_config
 from realm_jax.train.pretrain_workdir import FIXED_SETTINGS, check_workdir_corpus, open_data
 from realm_jax.train.realm_step import eval_step, summarize, train_step
 from realm_jax.train.refresh import (REFRESH_MODES, AsyncIndexWatcher, DocumentEmbedder,
@@ -60,6 +61,7 @@ class Trainer(loop.TrainLoop):
     # The weights, the corpus files and the index settings are checked before config.json is
     # written: a config refused for a typo must not become the workdir's and refuse the fixed one.
     self.models, self.model_config, vocab = build_models(config)
+    self.vocab_file = vocab
     corpus_fingerprint = CorpusConfig.from_config(config.corpus, vocab).fingerprint
     index_options(config.index)
     as_path(workdir).mkdir(parents=True, exist_ok=True)
@@ -68,7 +70,8 @@ class Trainer(loop.TrainLoop):
     self.corpus, self.tokenizer, self.examples_dir = open_data(config, workdir, vocab)
     tok = self.tokenizer
     self.builder = CandidateBuilder(self.corpus, tok.cls_id, tok.sep_id, config.num_candidates,
-                                    config.doc_length, config.joint_length)
+                                    config.doc_length, config.joint_length,
+                                    null_document=config.null_document)
     if config.eval_every:  # fails now, not after training, if too small
       self._batches("heldout", seed=0, num_epochs=1)
 
@@ -100,12 +103,15 @@ class Trainer(loop.TrainLoop):
 
   # ---------------------------------------------------------------------------------- data
   def _batches(self, split: str, seed: int, num_epochs=None):
+    """Training batches are masked as config.masking says; held-out ones always by salient spans,
+    so that every masking variant is measured on the same masked tokens."""
     tok = self.tokenizer
     return pretrain_batches(
         self.examples_dir, split, batch_size=self.host_batch, seed=seed,
         query_length=self.config.query_length, max_masked=self.config.max_masked,
         tokenizer_ids=special_ids(tok),
-        shard_index=jax.process_index(), shard_count=jax.process_count(), num_epochs=num_epochs)
+        shard_index=jax.process_index(), shard_count=jax.process_count(), num_epochs=num_epochs,
+        masking=self.config.masking if split == "train" else "salient_spans")
 
   def step_batch(self, queries: dict) -> dict:
     """Retrieval for the global batch, then this host's part of the step batch (global arrays).
@@ -195,15 +201,25 @@ class Trainer(loop.TrainLoop):
 
   def evaluate(self) -> dict[str, float]:
     """Held-out sentences: masked-token accuracy with retrieval vs with the null document only,
-    retrieval utility, loss (no dropout)."""
+    retrieval utility, loss (no dropout). The per-sentence figures behind them go to
+    `eval/heldout-SSSSSSSS.json` (`HELDOUT_FIELDS` lists, one entry per sentence, in the same
+    order at every step and in every run of the same data: paired comparisons)."""
     it = self._batches("heldout", seed=0, num_epochs=1)
-    sums = None
+    sums, per_example = None, collections.defaultdict(list)
     for i, queries in enumerate(it):
       if i >= self.config.eval_batches:
         break
       out = jax.device_get(self.eval_fn(self.state.params, self.step_batch(queries)))
+      for name, values in out.pop("per_example").items():
+        per_example[name] += np.asarray(values).tolist()
+      per_example["block_id"] += distributed.allgather_rows(queries["block_id"]).tolist()
       sums = out if sums is None else jax.tree.map(np.add, sums, out)
-    return summarize(sums) if sums is not None else {}
+    if sums is None:
+      return {}
+    if jax.process_index() == 0:
+      write_json(os.path.join(self.workdir, "eval", f"heldout-{int(self.state.step):08d}.json"),
+                 {"step": int(self.state.step), **per_example})
+    return summarize(sums)
 
   def checkpoint_meta(self, step: int) -> dict:
     # Remembered until the (asynchronous) checkpoint is on disk for `indexes_in_use` to read.
@@ -213,9 +229,23 @@ class Trainer(loop.TrainLoop):
   def resumed(self, meta: dict | None) -> None:
     self.ensure_index(meta and meta.get("index_path"))
 
+  def finish(self, last_eval: dict[str, float], trained: bool) -> dict[str, float]:
+    """Exports the retriever (a HF REALM scorer) and the knowledge-augmented encoder to
+    `export/retriever` and `export/encoder` (`pretraining_exports`), what fine-tuning's
+    config.init reads; also when a finished run is started again and an export is missing."""
+    dirs = pretraining_exports(self.workdir)
+    missing = not all(as_path(os.path.join(d, "config.json")).exists() for d in dirs.values())
+    if jax.process_index() == 0 and (trained or missing):
+      params = jax.device_get(self.state.params)
+      export_hf(dirs["retriever"], retriever_model_config(self.config, self.model_config),
+                params["retriever"], "retriever", self.vocab_file)
+      export_hf(dirs["encoder"], self.model_config, params["encoder"], "encoder", self.vocab_file)
+    return last_eval
+
   def close(self) -> None:
     if self.watcher is not None:
       self.watcher.close()
+
 
 
 def check_settings(config, workdir: str) -> None:
@@ -227,6 +257,7 @@ def check_settings(config, workdir: str) -> None:
       "index.refresh_every": 1, "index.embed_batch_size": 1, "index.keep": 0,
       "corpus.block_length": 4, "corpus.max_docs": 0, "heldout_percent": 0})
   config_checks.one_of(config, {"index.refresh": REFRESH_MODES, "init": ("minilm", "hf", "random"),
+                                "masking": MASKINGS, "null_document": (True, False),
                                 "tagger": ("auto", "spacy", "regex"),
                                 "dtype": ("float32", "bfloat16")})
 

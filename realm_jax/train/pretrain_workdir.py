@@ -14,10 +14,10 @@ from realm_jax.retrieval.index_store import latest_index_dir, read_manifest
 from realm_jax.text import BertTokenizer
 
 # Settings that change the shapes of parameters, of the optimiser state (a separate retriever
-# rate adds a partition) or of the data: a workdir keeps its own.
+# rate adds a partition) or of the data, and the ablations' settings: a workdir keeps its own.
 FIXED_SETTINGS = ("init", "model", "num_layers", "retriever_num_layers", "share_embedders",
                   "retriever_learning_rate", "corpus", "query_length", "max_masked", "tagger",
-                  "heldout_percent")
+                  "heldout_percent", "masking", "null_document")
 
 
 def open_data(config, workdir: str, vocab_file: str):

@@ -40,10 +40,13 @@ class RealmModels:
   score_scale multiplies the relevance scores before the softmax over candidates: 1 for REALM's
   projected [CLS] embeddings; ~20 for L2-normalised embeddings (cosine scores in [-1, 1] would
   give a nearly uniform p(z|x)).
+  train_retriever=False stops the gradient at the retriever's parameters (config
+  retriever_learning_rate=0: a frozen retriever, an ablation); p(z|x) still weighs the candidates.
   """
   retriever: RealmRetriever
   encoder: KnowledgeAugEncoder
   score_scale: float = 1.0
+  train_retriever: bool = True
 
 
 def _inputs(d):
@@ -54,8 +57,11 @@ def retriever_logits(params, batch, models: RealmModels, rngs=None,
                      rows: Rows | None = None) -> Array:
   """Fresh relevance scores [B, K] of every candidate; masked candidates get -1e9."""
   det = rngs is None
+  retriever = params["retriever"]
+  if not models.train_retriever:
+    retriever = jax.lax.stop_gradient(retriever)
   apply = lambda method, d, r: models.retriever.apply(
-      {"params": params["retriever"]}, *_inputs(d), det, rows, method=method, rngs=r)
+      {"params": retriever}, *_inputs(d), det, rows, method=method, rngs=r)
   q = apply("embed_queries", batch["query"], None if det else {"dropout": rngs[0]})     # [B, D]
   z = apply("embed_documents", batch["candidates"], None if det else {"dropout": rngs[1]})  # [B, K, D]
   logits = models.score_scale * relevance_scores(q, z)
@@ -63,7 +69,7 @@ def retriever_logits(params, batch, models: RealmModels, rngs=None,
 
 
 def realm_loss(params, batch, models: RealmModels, dropout_rng: Array | None = None,
-               rows: Rows | None = None):
+               rows: Rows | None = None, per_example: bool = False):
   """The marginal MLM loss and its statistics; dropout only when `dropout_rng` is given.
 
   `rows`: the batch's examples are these rows of a larger batch (their dropout masks are theirs
@@ -71,7 +77,9 @@ def realm_loss(params, batch, models: RealmModels, dropout_rng: Array | None = N
 
   Returns:
     (loss [], metrics) with metrics as sums over the batch (so that they average correctly over
-    devices and steps): see `summarize`.
+    devices and steps): see `summarize`. per_example=True adds metrics["per_example"]: [B] arrays
+    `tokens` (masked tokens), `correct`, `null_correct` (of them), `utility` (summed over them)
+    and `span_found`.
   """
   rngs = None if dropout_rng is None else jax.random.split(dropout_rng, 3)
   logits = retriever_logits(params, batch, models, None if rngs is None else rngs[:2], rows)
@@ -80,10 +88,10 @@ def realm_loss(params, batch, models: RealmModels, dropout_rng: Array | None = N
       rngs is None, rows, rngs=None if rngs is None else {"dropout": rngs[2]})    # [B, K, M, V]
   weights = batch["mlm_weights"].astype(jnp.float32)
   loss, aux = marginal_mlm_loss(mlm_logits, batch["mlm_targets"], weights, logits)
-  return loss, _statistics(mlm_logits, batch, weights, aux)
+  return loss, _statistics(mlm_logits, batch, weights, aux, per_example)
 
 
-def _statistics(mlm_logits, batch, weights, aux) -> dict[str, Array]:
+def _statistics(mlm_logits, batch, weights, aux, per_example: bool = False) -> dict[str, Array]:
   retr_logp = aux["retrieval_log_probs"]                                       # [B, K]
   vocab_logp = jax.nn.log_softmax(mlm_logits.astype(jnp.float32), axis=-1)     # [B, K, M, V]
   marginal_vocab = jax.nn.logsumexp(retr_logp[:, :, None, None] + vocab_logp, axis=1)  # [B, M, V]
@@ -118,6 +126,12 @@ def _statistics(mlm_logits, batch, weights, aux) -> dict[str, Array]:
     # The same sums on the examples whose masked span is in a retrieved block: where the evidence
     # is there to copy.
     stats.update({f"found_{k}": v for k, v in token_sums(weights * found[:, None]).items()})
+  if per_example:
+    stats["per_example"] = {
+        "tokens": n_e, "correct": jnp.sum(correct * weights, -1),
+        "null_correct": jnp.sum(null_correct * weights, -1),
+        "utility": jnp.sum(utility * weights, -1),
+        "span_found": batch.get("span_found", jnp.zeros_like(n_e)).astype(jnp.float32)}
   return stats
 
 
@@ -275,5 +289,6 @@ def guarded_update(state: TrainState, loss: Array, grads) -> tuple[TrainState, d
 
 
 def eval_step(params, batch: dict, *, models: RealmModels) -> dict:
-  """Summed statistics without dropout or update (held-out evaluation)."""
-  return realm_loss(params, batch, models)[1]
+  """Summed statistics without dropout or update (held-out evaluation), and their per-example
+  parts under "per_example" (`realm_loss`)."""
+  return realm_loss(params, batch, models, per_example=True)[1]

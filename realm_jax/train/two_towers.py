@@ -14,7 +14,6 @@ pooler: `retrieval/towers.py` reads it with mean pooling and normalisation by it
 
 from __future__ import annotations
 
-import logging
 import os
 
 import jax
@@ -22,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from realm_jax.checkpoints.hf import overlay, save_hf_checkpoint
+from realm_jax.checkpoints.export import export_hf
+from realm_jax.checkpoints.hf import overlay
 from realm_jax.checkpoints.weights import MINILM, Weights, resolve
-from realm_jax.io_utils import as_path, atomic_write_dir, is_remote
+from realm_jax.io_utils import as_path
 from realm_jax.models.config import RealmConfig
 from realm_jax.models.retriever import POOLINGS, RealmRetriever
-from realm_jax.text.tokenizer import TOKENIZER_CONFIG
 from realm_jax.train import loop
 from realm_jax.train.init import sized_model_config
 
@@ -124,28 +123,8 @@ def in_batch_metrics(logits: Array) -> tuple[Array, dict[str, Array]]:
 
 
 def export_retriever(directory: str, model_config: RealmConfig, params, vocab_file: str) -> None:
-  """Writes `directory` as a HF REALM scorer (config.json, model.safetensors with `embedder` and
-  `query_embedder`, vocab.txt and the tokenizer_config.json beside it, if any), atomically:
-  readers see the old directory or the new one (on gs://, a directory whose config.json exists:
-  it is uploaded last)."""
-  params = jax.device_get(params)
-  casing = as_path(vocab_file).parent / TOKENIZER_CONFIG  # a cased checkpoint stays cased
-  has_casing = casing.exists()
-
-  def write(tmp: str):
-    save_hf_checkpoint(tmp, model_config, params, kind="retriever")
-    as_path(vocab_file).copy(os.path.join(tmp, "vocab.txt"))
-    if has_casing:
-      casing.copy(os.path.join(tmp, TOKENIZER_CONFIG))
-
-  if is_remote(directory):
-    # The upload is skipped when config.json is unchanged, and it does not change with the weights.
-    (as_path(directory) / "config.json").unlink(missing_ok=True)
-    # An upload leaves files the new export lacks: an old casing must not outlive its export.
-    if not has_casing:
-      (as_path(directory) / TOKENIZER_CONFIG).unlink(missing_ok=True)
-  atomic_write_dir(directory, write, marker="config.json")
-  logging.info("Exported the retriever to %s", directory)
+  """Writes `directory` as a HF REALM scorer (`export_hf`)."""
+  export_hf(directory, model_config, params, "retriever", vocab_file)
 
 
 class RetrieverTrainer(loop.TrainLoop):
