@@ -122,6 +122,18 @@ def _cases(files):
        ["--retrievers=dpr", MISSING]),
       ("retro_eval-empty-workdir", "retro_eval", ["--workdir={W}"],
        ["--workdir={W}", "no trained model", "retro_train.py"]),
+      ("pretrain-bad-masking", "pretrain", ["--config=" + CONFIGS["pretrain"], "--workdir={W}",
+                                            "--config.masking=words"],
+       ["--config.masking='words'", "random_tokens"]),
+      ("ablations-unknown-variant", "ablations",
+       ["--config=realm_jax/configs/ablations.py:tiny", "--workdir={W}",
+        "--config.variants=('default','no_bert')"], ["--config.variants", "no_bert"]),
+      ("ablations-no-default", "ablations",
+       ["--config=realm_jax/configs/ablations.py:tiny", "--workdir={W}",
+        "--config.variants=('random_tokens',)"], ["--config.variants", "'default'"]),
+      ("finetune-init-without-export", "finetune",
+       ["--config=" + CONFIGS["finetune"], "--workdir={W}", f"--config.data.local_dir={NQ_OPEN}",
+        f"--config.init={MISSING}"], ["--config.init", MISSING, "export"]),
   ]
   return cases
 

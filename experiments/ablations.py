@@ -1,0 +1,32 @@
+"""REALM's ablations at small scale: every pre-training variant, open-QA fine-tuning from the chosen
+ones and from MiniLM, one table with paired bootstrap intervals (workdir/ablations.md).
+
+  python experiments/ablations.py --flagfile=experiments/flags/ablations_demo.flags
+  python experiments/ablations.py --config=realm_jax/configs/ablations.py:tiny --workdir=work/abl_tiny \
+      --config.finetune.data.local_dir=../shared/data/nq_open
+
+Stopped and started again with the same flags, it goes on where it was (every stage resumes).
+"""
+
+from absl import flags, logging
+
+from realm_jax import cli
+from realm_jax.eval import ablations
+from realm_jax.train import finetune, pretrain
+
+_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/ablations.py:<variant>).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: one pre-training and fine-tuning directory per variant, the table.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  cli.quiet_library_logs()
+  ablations.run(_CONFIG.value, _WORKDIR.value, pretrain=pretrain.train_and_evaluate,
+                finetune=finetune.finetune)
+  print(open(f"{_WORKDIR.value}/ablations.md", encoding="utf-8").read())
+
+
+if __name__ == "__main__":
+  cli.run(main)
