@@ -83,6 +83,20 @@ def test_index_of_another_corpus_is_refused(setup, tmp_path):
   with pytest.raises(ValueError, match="embedded by retriever weights .*rebuild the index"):
     build.load_built_index(other_cfg, str(tmp_path))
   assert build.load_built_index(cfg, str(tmp_path))[1].count == 25
+  # Nor is an update (or a rebuild in place) with another tower or tokenizer settings: the error
+  # names the index's weights and settings and the new ones.
+  from realm_jax.retrieval.index_store import read_manifest
+  manifest = read_manifest(path)
+  with pytest.raises(ValueError, match=(
+      rf"was embedded by {cfg.weights} \(model {manifest['model_fingerprint']}, settings "
+      rf"{manifest['embedding_settings']}, float32\); --config.weights={other_cfg.weights} is "
+      r"model \w+, settings 64-b-\w+, float32: .*another --workdir")):
+    build.build_index(other_cfg, str(tmp_path))
+  longer = cfg.copy_and_resolve_references()
+  longer.max_length = 48
+  with pytest.raises(ValueError, match=rf"settings {manifest['embedding_settings']}.*settings 48-b-"):
+    build.build_index(longer, str(tmp_path))
+  assert sorted(os.listdir(tmp_path / "index")) == ["LATEST", "index-00000000"]
 
 
 def test_bad_settings_fail_before_the_corpus_is_built(setup, tmp_path):

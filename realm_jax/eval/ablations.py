@@ -157,16 +157,26 @@ def run(config, workdir: str, *, pretrain: Callable, finetune: Callable) -> dict
   io_utils.as_path(workdir).mkdir(parents=True, exist_ok=True)
   times_path = os.path.join(workdir, "runs.json")
   times = io_utils.read_json(times_path) if io_utils.as_path(times_path).exists() else {}
-  for v in config.variants:
+
+  def pretrain_variant(v):
     logging.info("Pre-training variant %s", v)
     _timed(times, f"pretrain-{v}", times_path,
-           lambda v=v: pretrain(pretrain_config(config, v, workdir),
-                                os.path.join(workdir, f"pretrain-{v}")))
+           lambda: pretrain(pretrain_config(config, v, workdir),
+                            os.path.join(workdir, f"pretrain-{v}")))
+
+  # The variants that are fine-tuned go first, then their fine-tuning: the open-QA comparison is
+  # there before the other variants' runs.
+  fine_tuned = [v for v in config.variants if v in config.finetune_variants]
+  for v in fine_tuned:
+    pretrain_variant(v)
   for v in config.finetune_variants:
     logging.info("Fine-tuning from %s", v)
     ft, ft_dir = finetune_config(config, v, workdir), os.path.join(workdir, f"finetune-{v}")
     _timed(times, f"finetune-{v}", times_path, lambda: finetune(ft, ft_dir))
     _timed(times, f"evaluate-{v}", times_path, lambda: evaluate_test(open_qa.apply_init(ft), ft_dir))
+  for v in config.variants:
+    if v not in fine_tuned:
+      pretrain_variant(v)
   table = make_table(config, workdir, times)
   io_utils.write_json(os.path.join(workdir, "ablations.json"), table)
   io_utils.write_text(os.path.join(workdir, "ablations.md"), format_markdown(table))

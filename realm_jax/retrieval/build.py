@@ -94,12 +94,12 @@ def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | 
   use until the new one is complete). Returns (corpus, index, document tower).
 
   Every stage resumes: the corpus and finished embedding shards are reused. A corpus that changed
-  since the published index (documents added, edited or removed) is an update when that index was
-  embedded by the same tower with the same settings (`embedding_settings`, storage dtype): its
-  unchanged blocks
-  keep their ids and rows, only new and changed blocks are embedded, removed ones leave, and the
-  result is published as the next index version (index-<n + 1>); otherwise every block is
-  embedded and published as index-00000000. An unchanged corpus writes nothing.
+  since the published index (documents added, edited or removed) is an update: its unchanged
+  blocks keep their ids and rows, only new and changed blocks are embedded, removed ones leave,
+  and the result is published as the next index version (index-<n + 1>). An unchanged corpus
+  writes nothing. An index embedded by another tower or with other settings (`embedding_settings`:
+  length, truncation, tokenizer; the storage dtype) is refused, naming both: its rows cannot be
+  mixed with the new tower's.
 
   `towers`: already loaded `towers_of(config)`. `min_blocks`: {flag: count} of the caller's
   settings that need that many blocks, refused once the corpus is known, before it is embedded.
@@ -114,8 +114,17 @@ def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | 
   root = os.path.join(workdir, "index")
   previous = latest_index_dir(root)
   manifest = read_manifest(previous) if previous else {}
-  same_tower = (manifest.get("model_fingerprint"), manifest.get("embedding_settings"),
+  # An index published before the settings were recorded was made with the workdir's settings.
+  same_tower = (manifest.get("model_fingerprint"), manifest.get("embedding_settings", settings),
                 manifest.get("dtype")) == (tower.fingerprint, settings, options["dtype"])
+  if previous and not same_tower:
+    raise ValueError(
+        f"{previous} was embedded by {manifest.get('weights', 'other weights')} (model "
+        f"{manifest.get('model_fingerprint')}, settings "
+        f"{manifest.get('embedding_settings', 'not recorded')}, {manifest.get('dtype')}); "
+        f"--config.weights={config.weights} is model {tower.fingerprint}, settings {settings}, "
+        f"{options['dtype']}: an update keeps the index's tower and settings. Use another "
+        f"--workdir for the new tower, or delete {root} to embed every block again.")
   if same_tower and manifest["corpus_fingerprint"] == corpus.fingerprint:
     logging.info("The index in %s is current: nothing written.", previous)
     return corpus, DocIndex.load(previous, **options), tower
@@ -141,10 +150,6 @@ def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | 
     logging.info(message)
     print(message)
   else:
-    if previous:
-      logging.info("%s was embedded by other weights or settings (%s, %s): every block is "
-                   "embedded with %s.", previous, manifest.get("model_fingerprint"),
-                   manifest.get("embedding_settings", "no settings recorded"), tower.fingerprint)
     emb = embed(corpus, out_dir, fingerprint)
   index = DocIndex(emb, corpus.block_ids, **options)
   if step == 0 and _published(root, index, tower.fingerprint, corpus.fingerprint):
@@ -152,7 +157,7 @@ def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | 
     return corpus, index, tower
   path = publish_index(root, index, step=step, model_fingerprint=tower.fingerprint,
                        corpus_fingerprint=corpus.fingerprint,
-                       extra={"embedding_settings": settings})
+                       extra={"embedding_settings": settings, "weights": config.weights})
   logging.info("Index of %d blocks x %d published at %s", len(corpus), emb.shape[1], path)
   return corpus, index, tower
 
