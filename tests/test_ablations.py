@@ -180,3 +180,13 @@ def test_tiny_runner_writes_the_table_from_what_the_runs_wrote(tiny_run):
   with open(os.path.join(workdir, "ablations.md")) as f:
     md = f.read()
   assert "| random_tokens | 6 |" in md and "| default | " in md and md in out
+
+
+def test_the_small_pretraining_config_is_the_demo_over_the_whole_corpus_for_longer():
+  from realm_jax.configs import pretrain
+  small, demo = _flat(pretrain.get_config("small").to_dict()), _flat(
+      pretrain.get_config("demo").to_dict())
+  assert {k for k in small if small[k] != demo[k]} == {
+      "variant", "corpus.max_docs", "heldout_percent", "num_steps", "warmup_steps",
+      "index.refresh_every", "eval_every", "checkpoint_every"}
+  assert small["corpus.max_docs"] == 0 and small["num_steps"] == 5 * demo["num_steps"]

@@ -6,6 +6,12 @@ Variants (`--config=realm_jax/configs/pretrain.py:<variant>`):
          (7-13 minutes): held-out masked-token accuracy 9.42% with retrieval against 7.48% with
          the null document only, retrieval utility 0.071 at step 300 (docs/pretraining.md):
            python experiments/pretrain.py --flagfile=experiments/flags/pretrain_demo.flags
+  small  the demo's models and shapes over all 10,033 embedded articles (~26k blocks), 1,500 steps,
+         the index refreshed every 500: the longer CPU run whose exports feed fine-tuning
+         (finetune.py's config.init). Not yet run to the end: from the demo's ~3 s per step and
+         ~80 blocks/s per refresh on 2 AMD EPYC cores it should take ~1.5-2 hours:
+           python experiments/pretrain.py --config=realm_jax/configs/pretrain.py:small \
+               --workdir=work/pretrain_small
   tiny   random 2-layer models over 40 articles, for tests (seconds).
   paper  REALM's settings: BERT-base towers and encoder (config.init='hf' with REALM/BERT weights),
          batch 512, K = 8, 200k steps, lr 3e-5, query 96 / block 288 / joint 384 word pieces,
@@ -102,7 +108,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.keep_checkpoints = 3
   c.max_bad_steps = 10            # consecutive non-finite losses before the run stops
 
-  if arg == "demo":
+  if arg in ("demo", "small"):
     # All 6 MiniLM layers in both models: with 2, the encoder barely learns to copy a span from a
     # retrieved block in 300 steps and the retriever brings it less often (docs/notes.md).
     c.num_layers = 6
@@ -131,6 +137,14 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     c.eval_every = 100
     c.eval_batches = 40         # 320 of the ~342 held-out sentences (batches of 8)
     c.checkpoint_every = 100
+    if arg == "small":
+      c.corpus.max_docs = 0     # all 10,033 articles
+      c.heldout_percent = 2     # ~5x the sentences: about as many held out as the demo's 10%
+      c.num_steps = 1500
+      c.warmup_steps = 100
+      c.index.refresh_every = 500
+      c.eval_every = 500
+      c.checkpoint_every = 250
   elif arg == "tiny":
     c.init = "random"
     c.model = ml_collections.ConfigDict(dict(
@@ -173,6 +187,6 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
       # layer in the backward pass instead.
       c.remat = True
   else:
-    raise ValueError(f"Unknown pretrain config {arg!r}: use demo, tiny, paper or one of "
+    raise ValueError(f"Unknown pretrain config {arg!r}: use demo, small, tiny, paper or one of "
                      f"{[f'paper_{s}' for s in SLICES]}.")
   return c
