@@ -30,9 +30,9 @@ from realm_jax.data.corpus import CorpusConfig
 from realm_jax.data.pretrain import MASKINGS, pretrain_batches, special_ids
 from realm_jax.io_utils import as_path, write_json
 from realm_jax.checkpoints import training as checkpoints
+from realm_jax.checkpoints.export import export_hf, pretraining_exports
 from realm_jax.train import loop, memory, optimizer
 from realm_jax.train.candidates import CandidateBuilder, retrieve
-from realm_jax.checkpoints.export import export_hf, pretraining_exports
 from realm_jax.train.init import build_models, init_params, retriever_model_config
 from realm_jax.train.pretrain_workdir import FIXED_SETTINGS, check_workdir_corpus, open_data
 from realm_jax.train.realm_step import eval_step, summarize, train_step
@@ -202,8 +202,9 @@ class Trainer(loop.TrainLoop):
   def evaluate(self) -> dict[str, float]:
     """Held-out sentences: masked-token accuracy with retrieval vs with the null document only,
     retrieval utility, loss (no dropout). The per-sentence figures behind them go to
-    `eval/heldout-SSSSSSSS.json` (`HELDOUT_FIELDS` lists, one entry per sentence, in the same
-    order at every step and in every run of the same data: paired comparisons)."""
+    `eval/heldout-SSSSSSSS.json`: lists `tokens`, `correct`, `null_correct`, `utility`,
+    `span_found` and `block_id`, one entry per sentence, in the same order at every step and in
+    every run over the same examples (what paired comparisons of two runs need)."""
     it = self._batches("heldout", seed=0, num_epochs=1)
     sums, per_example = None, collections.defaultdict(list)
     for i, queries in enumerate(it):
@@ -245,7 +246,6 @@ class Trainer(loop.TrainLoop):
   def close(self) -> None:
     if self.watcher is not None:
       self.watcher.close()
-
 
 
 def check_settings(config, workdir: str) -> None:
