@@ -172,8 +172,8 @@ def test_a_built_workdir_is_only_read(articles, tmp_path):
   """experiments/search_demo.py published its unchanged index again at every run, so it failed in
   a read-only work directory. Run again with the same settings it writes nothing, and runs with
   the directory made read-only (as root, whom chmod does not stop, nothing in it may change). A
-  new max_length builds the index again; so does going back (its embeddings are kept, but the
-  index then holds the other ones)."""
+  new max_length would embed the blocks differently: it is refused, naming both settings, and
+  the index stays as it was (another --workdir, or deleting the index, builds one with it)."""
   import os
   from realm_jax.configs.build_index import get_config
   from realm_jax.retrieval import search_demo
@@ -192,8 +192,10 @@ def test_a_built_workdir_is_only_read(articles, tmp_path):
   assert _files(workdir) == before
   shorter = get_config("tiny")
   shorter.max_length = 32
-  titles(shorter)
-  assert save_id() != built
-  shorter_id = save_id()
+  with pytest.raises(ValueError, match=r"settings 64-b-\w+, float32\); .* settings 32-b-"):
+    titles(shorter)
+  assert _files(workdir) == before and save_id() == built
   assert titles(get_config("tiny")) == first
-  assert save_id() not in (built, shorter_id)
+  other = tmp_path / "other"
+  shorter_titles = [t for t, _ in search_demo.run(str(other), question, 3, shorter)[0]]
+  assert len(shorter_titles) == 3
