@@ -5,7 +5,8 @@ ones and from MiniLM, one table with paired bootstrap intervals (workdir/ablatio
   python experiments/ablations.py --config=realm_jax/configs/ablations.py:tiny --workdir=work/abl_tiny \
       --config.finetune.data.local_dir=../shared/data/nq_open
 
-Stopped and started again with the same flags, it goes on where it was (every stage resumes).
+Stopped and started again with the same flags, it goes on where it was (every stage resumes);
+the table is rewritten after every stage, and `--table_only` writes it without running anything.
 """
 
 from absl import flags, logging
@@ -16,6 +17,7 @@ from realm_jax.train import finetune, pretrain
 
 _CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/ablations.py:<variant>).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: one pre-training and fine-tuning directory per variant, the table.")
+_TABLE_ONLY = flags.DEFINE_bool("table_only", False, "Write the table from the stages that have finished, run nothing.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -23,8 +25,12 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   cli.quiet_library_logs()
-  ablations.run(_CONFIG.value, _WORKDIR.value, pretrain=pretrain.train_and_evaluate,
-                finetune=finetune.finetune)
+  if _TABLE_ONLY.value:
+    ablations.check_config(_CONFIG.value)
+    ablations.write_table(_CONFIG.value, _WORKDIR.value)
+  else:
+    ablations.run(_CONFIG.value, _WORKDIR.value, pretrain=pretrain.train_and_evaluate,
+                  finetune=finetune.finetune)
   print(open(f"{_WORKDIR.value}/ablations.md", encoding="utf-8").read())
 
 

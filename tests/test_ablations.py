@@ -190,3 +190,23 @@ def test_the_small_pretraining_config_is_the_demo_over_the_whole_corpus_for_long
       "variant", "corpus.max_docs", "heldout_percent", "num_steps", "warmup_steps",
       "index.refresh_every", "eval_every", "checkpoint_every"}
   assert small["corpus.max_docs"] == 0 and small["num_steps"] == 5 * demo["num_steps"]
+
+
+@pytest.mark.slow
+def test_the_table_leaves_out_what_has_not_run(tiny_run, tmp_path):
+  """--table_only (and the runner after each stage) writes the finished stages only."""
+  import shutil
+  workdir = str(tmp_path / "copy")
+  shutil.copytree(tiny_run[0], workdir)
+  config = ablations_config.get_config("tiny")
+  config.variants = ("default", "random_tokens", "stale_index")
+  config.finetune_variants = ("minilm", "default")
+  table = ablations.write_table(config, workdir)
+  assert list(table["pretrain"]) == ["default", "random_tokens"]
+  assert list(table["finetune"]) == ["default"] and "em_vs_minilm" not in table["finetune"]["default"]
+  shutil.rmtree(os.path.join(workdir, "pretrain-default", "export"))  # as if still running
+  table = ablations.write_table(config, workdir)
+  assert list(table["pretrain"]) == ["random_tokens"]
+  assert "accuracy_vs_default" not in table["pretrain"]["random_tokens"]
+  with open(os.path.join(workdir, "ablations.md")) as f:
+    assert "| random_tokens | 6 |" in f.read()

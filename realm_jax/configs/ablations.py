@@ -17,13 +17,14 @@ from realm_jax.configs import finetune, pretrain
 
 # name -> overrides of the pre-training config (dotted keys). "default" is the config as it is;
 # each other variant changes one ingredient of REALM.
+# In the order they run: the paper's two largest effects first.
 ABLATIONS = {
     "default": {},
-    "random_spans": {"masking": "random_spans"},    # REALM: random span masking
     "random_tokens": {"masking": "random_tokens"},  # REALM: random token masking (as BERT)
     "stale_index": {"index.refresh": "none"},       # the index of the starting weights throughout
-    "no_null_document": {"null_document": False},
+    "random_spans": {"masking": "random_spans"},    # REALM: random span masking
     "frozen_retriever": {"retriever_learning_rate": 0.0},
+    "no_null_document": {"null_document": False},
 }
 MINILM = "minilm"  # in `finetune_variants`: fine-tuning from MiniLM, with no pre-training
 

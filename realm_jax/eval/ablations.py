@@ -33,6 +33,7 @@ import ml_collections
 import numpy as np
 
 from realm_jax import io_utils
+from realm_jax.checkpoints.export import pretraining_exports
 from realm_jax.configs.ablations import ABLATIONS, MINILM
 from realm_jax.eval import report
 from realm_jax.systems import open_qa
@@ -121,6 +122,12 @@ def last_heldout(pretrain_dir: str) -> dict:
   return io_utils.read_json(str(files[-1]))
 
 
+def _finished(pretrain_dir: str) -> bool:
+  """Whether a pre-training run has ended (it exports when it does)."""
+  return all(io_utils.as_path(os.path.join(d, "config.json")).exists()
+             for d in pretraining_exports(pretrain_dir).values())
+
+
 def read_predictions(finetune_dir: str) -> list[dict]:
   path = os.path.join(finetune_dir, "eval", "test", f"predictions-{SYSTEM}.jsonl")
   with open(path, encoding="utf-8") as f:
@@ -147,8 +154,23 @@ def evaluate_test(config, finetune_dir: str) -> None:
   report.evaluate_systems(setup, questions, (SYSTEM,), tuple(config.ks), out_dir)
 
 
+def _read_times(workdir: str) -> dict:
+  path = os.path.join(workdir, "runs.json")
+  return io_utils.read_json(path) if io_utils.as_path(path).exists() else {}
+
+
+def write_table(config, workdir: str) -> dict:
+  """ablations.json and ablations.md from the stages that have finished (the others are left
+  out), so that a table is there while the runner goes on, or after it was stopped."""
+  table = make_table(config, workdir, _read_times(workdir))
+  io_utils.write_json(os.path.join(workdir, "ablations.json"), table)
+  io_utils.write_text(os.path.join(workdir, "ablations.md"), format_markdown(table))
+  return table
+
+
 def run(config, workdir: str, *, pretrain: Callable, finetune: Callable) -> dict:
-  """Pre-trains every variant, fine-tunes and evaluates the chosen ones, writes the table.
+  """Pre-trains every variant, fine-tunes and evaluates the chosen ones, and writes the table
+  after each stage (`write_table`).
 
   `pretrain(config, workdir)` and `finetune(config, workdir)`: the trainers' entry functions
   (realm_jax/train/pretrain.py: train_and_evaluate, realm_jax/train/finetune.py: finetune).
@@ -156,13 +178,14 @@ def run(config, workdir: str, *, pretrain: Callable, finetune: Callable) -> dict
   check_config(config)
   io_utils.as_path(workdir).mkdir(parents=True, exist_ok=True)
   times_path = os.path.join(workdir, "runs.json")
-  times = io_utils.read_json(times_path) if io_utils.as_path(times_path).exists() else {}
+  times = _read_times(workdir)
 
   def pretrain_variant(v):
     logging.info("Pre-training variant %s", v)
     _timed(times, f"pretrain-{v}", times_path,
            lambda: pretrain(pretrain_config(config, v, workdir),
                             os.path.join(workdir, f"pretrain-{v}")))
+    write_table(config, workdir)
 
   # The variants that are fine-tuned go first, then their fine-tuning: the open-QA comparison is
   # there before the other variants' runs.
@@ -174,19 +197,19 @@ def run(config, workdir: str, *, pretrain: Callable, finetune: Callable) -> dict
     ft, ft_dir = finetune_config(config, v, workdir), os.path.join(workdir, f"finetune-{v}")
     _timed(times, f"finetune-{v}", times_path, lambda: finetune(ft, ft_dir))
     _timed(times, f"evaluate-{v}", times_path, lambda: evaluate_test(open_qa.apply_init(ft), ft_dir))
+    write_table(config, workdir)
   for v in config.variants:
     if v not in fine_tuned:
       pretrain_variant(v)
-  table = make_table(config, workdir, times)
-  io_utils.write_json(os.path.join(workdir, "ablations.json"), table)
-  io_utils.write_text(os.path.join(workdir, "ablations.md"), format_markdown(table))
-  return table
+  return write_table(config, workdir)
 
 
 # --------------------------------------------------------------------------------- the table
 def _pretrain_rows(config, workdir: str) -> dict:
   rows, base = {}, None
   for v in config.variants:
+    if not _finished(os.path.join(workdir, f"pretrain-{v}")):
+      continue
     h = last_heldout(os.path.join(workdir, f"pretrain-{v}"))
     tokens = np.asarray(h["tokens"])
     row = {"step": h["step"], "sentences": len(tokens),
@@ -200,7 +223,7 @@ def _pretrain_rows(config, workdir: str) -> dict:
       base = h
     rows[v] = (row, h)
   for v, (row, h) in rows.items():
-    if v == "default":
+    if v == "default" or base is None:
       continue
     if h["block_id"] != base["block_id"]:
       row["paired"] = False  # other sentences (another corpus or eval setting): not paired
@@ -215,6 +238,9 @@ def _pretrain_rows(config, workdir: str) -> dict:
 def _finetune_rows(config, workdir: str) -> dict:
   rows, preds = {}, {}
   for v in config.finetune_variants:
+    if not io_utils.as_path(os.path.join(workdir, f"finetune-{v}", "eval", "test",
+                                         "results.json")).exists():
+      continue
     p = read_predictions(os.path.join(workdir, f"finetune-{v}"))
     ones = np.ones(len(p))
     correct = np.array([q["correct"] for q in p], np.float64)
