@@ -61,12 +61,7 @@ def pretrain_config(config, variant: str, workdir: str) -> ml_collections.Config
   the corpus and examples that all variants share."""
   c = copy.deepcopy(config.pretrain)
   c.data_dir = c.data_dir or os.path.join(workdir, "pretrain-data")
-  for key, value in ABLATIONS[variant].items():
-    holder = c
-    *parents, last = key.split(".")
-    for p in parents:
-      holder = holder[p]
-    holder[last] = value
+  c.update_from_flattened_dict(ABLATIONS[variant])
   return c
 
 
