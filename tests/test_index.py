@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from realm_jax.retrieval import exact
+from realm_jax.retrieval import exact, index_store
+from realm_jax.retrieval import rows as rows_lib
 from realm_jax.retrieval.exact import ApproxSearcher, brute_force_top_k
 from realm_jax.retrieval.index import DocIndex, index_options
 from realm_jax.retrieval.index_store import (arrays_crc32, index_dirs, latest_index_dir,
                                              point_latest, prune_indexes, publish_index,
                                              read_manifest)
+from realm_jax.retrieval.rows import HostRows
 
 DIM = 16
 
@@ -125,6 +127,95 @@ def test_many_queries_are_batched_and_not_recompiled(monkeypatch):
     np.testing.assert_allclose(scores, want_scores, atol=1e-5)
   with pytest.raises(AssertionError, match="traced > 1 times"):
     index.search(queries, 4)  # a new k is a new program: the counter does see traces
+
+
+@pytest.mark.parametrize("devices,n,block", [(8, 301, 8), (1, 301, 40), (3, 1000, 64),
+                                              (8, 13, 8)])
+def test_blocked_scoring_equals_brute_force(devices, n, block):
+  """Shards scored in blocks of rows (max_score_bytes small) find what one score matrix finds,
+  with exclusions in other blocks, in the same block and in the padding's block."""
+  emb, ids, queries = untied_data(n, n, q=4)
+  index = DocIndex(emb, ids, mesh=Mesh(np.array(jax.devices()[:devices]), ("data",)),
+                   query_batch_size=4, max_score_bytes=4 * 4 * block)
+  shard_rows = index.searcher.emb.shape[0] // devices
+  assert index.searcher.block_rows <= max(block, 8) and shard_rows % index.searcher.block_rows == 0
+  assert shard_rows - -(-n // devices) < 8 * (shard_rows // index.searcher.block_rows)  # padding
+  assert (shard_rows > index.searcher.block_rows) == (-(-n // devices) > max(block, 8))
+  top = brute_force(queries, emb, ids, n)[1]
+  exclude = np.stack([top[:, 0], top[:, 2], np.full(4, -1)], axis=1)
+  for k in (1, 7, n - 3):
+    scores, found = index.search(queries, k, exclude_ids=exclude)
+    want_scores, want_ids = brute_force(queries, emb, ids, k, exclude)
+    np.testing.assert_array_equal(found, want_ids, err_msg=f"k={k}")
+    np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+
+
+def test_shard_layout():
+  for count, shards, most in [(10, 1, 100), (13, 8, 2), (1000, 3, 64), (13_353_718, 1, 262_144),
+                              (13_353_718, 8, 262_144), (7, 8, 8)]:
+    shard_rows, block_rows = exact.shard_layout(count, shards, most)
+    assert shard_rows * shards >= count and shard_rows % block_rows == 0
+    if shard_rows > block_rows:
+      assert block_rows <= most and block_rows % 8 == 0
+    assert shard_rows - -(-count // shards) < 8 * (shard_rows // block_rows)
+
+
+class CountedRows(HostRows):
+  """An array's rows that records the size of every read."""
+
+  def __init__(self, array):
+    self.array, self.shape, self.dtype, self.reads = array, array.shape, array.dtype, []
+
+  def read(self, lo, hi):
+    self.reads.append(hi - lo)
+    return self.array[lo:hi]
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_built_saved_and_loaded_a_slice_at_a_time(tmp_path, monkeypatch, devices, dtype):
+  """With 3-row slices, the index is filled from rows read 3 at a time, saved 3 rows at a time
+  and loaded 3 rows at a time, and equals the index of the whole array, on disk and in search."""
+  monkeypatch.setattr(rows_lib, "CHUNK_BYTES", 3 * DIM * 2)  # 3 bfloat16 rows, 1 float32 row
+  emb, ids, queries = untied_data(11, 50, q=3)
+  mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
+  counted = CountedRows(emb.astype(dtype))
+  index = DocIndex(counted, ids, mesh=mesh, dtype=dtype)
+  whole = DocIndex(emb, ids, mesh=mesh, dtype=dtype)
+  row_bytes = DIM * np.dtype(dtype).itemsize
+  assert max(counted.reads) == max(1, 3 * DIM * 2 // row_bytes) and sum(counted.reads) == 50
+  np.testing.assert_array_equal(index.embeddings(), whole.embeddings())
+  for a, b in zip(index.search(queries, 6, ids[:3]), whole.search(queries, 6, ids[:3])):
+    np.testing.assert_array_equal(a, b)
+
+  written = []
+  real_write = rows_lib.write_safetensors
+
+  def spy(path, tensors, metadata=None):
+    def chunks_of(name, chunks):
+      for part in chunks():
+        written.append((name, len(part)))
+        yield part
+    real_write(path, {name: (shape, dt, lambda name=name, c=chunks: chunks_of(name, c))
+                      for name, (shape, dt, chunks) in tensors.items()}, metadata)
+
+  monkeypatch.setattr(index_store, "write_safetensors", spy)
+  index.save(tmp_path / "a", step=0, model_fingerprint="m", corpus_fingerprint="c")
+  whole.save(tmp_path / "b", step=0, model_fingerprint="m", corpus_fingerprint="c",
+             embeddings=emb.astype(dtype))
+  assert max(n for name, n in written if name == "embeddings") <= 3
+  manifests = [read_manifest(tmp_path / d) for d in "ab"]
+  assert manifests[0]["arrays_crc32"] == manifests[1]["arrays_crc32"] == arrays_crc32(
+      emb.astype(dtype), ids)
+  reads = []
+  real_read = rows_lib.FileRows.read
+  monkeypatch.setattr(rows_lib.FileRows, "read", lambda self, lo, hi: reads.append(
+      (self.shape[1], hi - lo)) or real_read(self, lo, hi))
+  loaded = DocIndex.load(tmp_path / "a", mesh=mesh)
+  row_reads = [n for width, n in reads if width == DIM]  # not the ids' reads
+  assert max(row_reads) <= 3 and sum(row_reads) == 2 * 50  # the checksum's pass, then the fill
+  np.testing.assert_array_equal(loaded.embeddings(), whole.embeddings())
+  np.testing.assert_array_equal(loaded.block_ids, ids)
 
 
 def test_approx_recall():

@@ -130,9 +130,9 @@ def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | 
     return corpus, DocIndex.load(previous, **options), tower
   fingerprint = f"{corpus.fingerprint}-{tower.fingerprint}-{config.max_length}-{config.truncate}"
   out_dir = os.path.join(workdir, "embeddings", fingerprint)
-  embed = lambda part, directory, fp: embed_corpus(
+  embed = lambda part, directory, fp, in_slices=False: embed_corpus(
       part, tower.embed, tower.tokenizer, directory, config.max_length, config.truncate,
-      config.shard_size, config.batch_size, fingerprint=fp)
+      config.shard_size, config.batch_size, fingerprint=fp, in_slices=in_slices)
   step = 0
   if same_tower:  # an update of the published index: embed only what it lacks
     old_rows, old_emb = _update_rows(corpus, previous, manifest)
@@ -149,8 +149,8 @@ def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | 
                f"({removed:,} removed); publishing it as version {step} of {root}.")
     logging.info(message)
     print(message)
-  else:
-    emb = embed(corpus, out_dir, fingerprint)
+  else:  # the shard files, read into the index a slice at a time
+    emb = embed(corpus, out_dir, fingerprint, in_slices=True)
   index = DocIndex(emb, corpus.block_ids, **options)
   if step == 0 and _published(root, index, tower.fingerprint, corpus.fingerprint):
     logging.info("The index in %s is current: nothing written.", root)

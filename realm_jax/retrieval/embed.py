@@ -21,8 +21,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from realm_jax.io_utils import as_path, atomic_write, local_file, read_json, write_json
+from realm_jax.io_utils import as_path, atomic_write, is_remote, local_file, read_json, write_json
 from realm_jax.retrieval.index_store import arrays_crc32
+from realm_jax.retrieval.rows import (ArrayRows, ConcatRows, HostRows, crc32_of_chunks, read_all,
+                                      read_safetensors_header, safetensors_rows)
 
 Batch = dict[str, np.ndarray]
 
@@ -166,8 +168,10 @@ def _other_settings(out_dir: str, old: dict, new: dict) -> str:
 def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_dir: str,
                  max_length: int = 288, truncate: str = "b", shard_size: int = 4096,
                  batch_size: int = 64, mesh: Mesh | None = None,
-                 fingerprint: str = "") -> np.ndarray:
-  """Embeds every block of `corpus` into resumable shards under `out_dir`; returns [N, D].
+                 fingerprint: str = "", in_slices: bool = False) -> np.ndarray | HostRows:
+  """Embeds every block of `corpus` into resumable shards under `out_dir`; returns [N, D]: an
+  array, or with `in_slices` `HostRows` that read the shard files a slice at a time (what
+  `DocIndex` fills a device index from without a host copy of it).
 
   Shard s holds rows [s * shard_size, (s + 1) * shard_size) as `shard-SSSSS-of-TTTTT.safetensors`,
   each written under a temporary name and renamed when complete (in a gs:// `out_dir`: uploaded as
@@ -179,7 +183,6 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
   `--config.shard_size` / `--config.batch_size` of experiments/build_index.py, and are named so in
   errors.
   """
-  from safetensors import SafetensorError, safe_open
   from safetensors.numpy import save_file
 
   for flag, value in (("shard_size", shard_size), ("batch_size", batch_size)):
@@ -237,27 +240,35 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
 
   unchecked = []
 
-  def load_shard(s: int) -> np.ndarray:
+  def shard_rows(s: int) -> HostRows:
+    """Shard s's rows, read from its file a slice at a time (a gs:// shard: in memory), its
+    CRC-32 checked."""
     redo = ("Delete it and build the index again (experiments/build_index.py): only that shard "
             "is embedded again.")
-    with local_file(shard_path(s)) as path:  # safe_open reads local files: gs:// is downloaded
-      try:
-        with safe_open(path, framework="numpy") as f:
-          emb, want = f.get_tensor("embeddings"), (f.metadata() or {}).get("arrays_crc32")
-      except (SafetensorError, OSError) as e:
-        raise ValueError(f"{shard_path(s)} cannot be read ({e}): the file is truncated or "
-                         f"corrupt. {redo}") from e
+    path = shard_path(s)
+    try:
+      if is_remote(path):
+        with local_file(path) as local:  # safe_open reads local files: gs:// is downloaded
+          header = read_safetensors_header(local)
+          rows = ArrayRows(read_all(safetensors_rows(local, "embeddings", header)))
+      else:
+        header = read_safetensors_header(path)
+        rows = safetensors_rows(path, "embeddings", header)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+      raise ValueError(f"{path} cannot be read ({e}): the file is truncated or corrupt. "
+                       f"{redo}") from e
+    want = (header[0].get("__metadata__") or {}).get("arrays_crc32")
     if want is None:  # written by an older realm_jax
       unchecked.append(s)
-      return emb
-    got = arrays_crc32(emb)
+      return rows
+    got = f"{crc32_of_chunks(part for _, part in rows.chunks()):08x}"
     if got != want:
-      raise ValueError(f"{shard_path(s)} is corrupt: its CRC-32 is {got}, but it was saved with "
+      raise ValueError(f"{path} is corrupt: its CRC-32 is {got}, but it was saved with "
                        f"{want} (the file was damaged after it was written). {redo}")
-    return emb
+    return rows
 
-  emb = np.concatenate([load_shard(s) for s in range(num_shards)])
+  rows = ConcatRows([shard_rows(s) for s in range(num_shards)])
   if unchecked:
     logging.info("%d of the %d shards in %s have no checksum (written by an older realm_jax): "
                  "they are not verified.", len(unchecked), num_shards, out_dir)
-  return emb
+  return rows if in_slices else read_all(rows)

@@ -2,7 +2,11 @@
 
 `ExactSearcher` shards the [N, D] rows along N over the "data" axis of a mesh; each device takes the
 top-k of its shard (`jax.lax.top_k` under `jax.shard_map`), then the per-shard candidates are merged
-with another top-k. One jitted function, compiled once per (query batch, k, exclusions) shape.
+with another top-k. One jitted function, compiled once per (query batch, k, exclusions) shape. A
+shard whose [query batch, rows] scores would exceed `max_score_bytes` is scored in equal blocks of
+rows, one after another, keeping each block's top-k: a 13.35M-row index needs a few hundred MB of
+scores at a time, not 13 GB. Each device's rows are filled from the host a slice at a time
+(realm_jax/retrieval/rows.py), so building from files holds the index once.
 `ApproxSearcher` is the same with `jax.lax.approx_max_k` per shard (exact on CPU, fast on TPU).
 `brute_force_top_k` is the numpy reference (and ScaNN's fallback).
 
@@ -21,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from realm_jax import config_checks
+from realm_jax.retrieval.rows import HostRows, as_rows
 
 
 def finite_scores(scores):
@@ -46,6 +51,7 @@ def brute_force_top_k(queries: np.ndarray, embeddings: np.ndarray, k: int,
   """
   emb = embeddings.astype(np.float32, copy=False)
   n = len(emb)
+  batch_size = max(1, min(batch_size, (256 << 20) // (4 * n)))  # at most 256 MiB of scores
   out_scores = np.empty((len(queries), k), np.float32)
   out_rows = np.empty((len(queries), k), np.int64)
   for lo in range(0, len(queries), batch_size):
@@ -62,7 +68,8 @@ def brute_force_top_k(queries: np.ndarray, embeddings: np.ndarray, k: int,
   return out_scores, out_rows
 
 
-def _sharded_top_k(emb, queries, exclude_rows, k, *, count, mesh, recall_target, precision):
+def _sharded_top_k(emb, queries, exclude_rows, k, *, count, mesh, recall_target, precision,
+                   block_rows):
   """Top-k rows of `queries @ emb.T` over "data"-sharded rows, leaving out padding and exclusions.
 
   Args:
@@ -72,27 +79,46 @@ def _sharded_top_k(emb, queries, exclude_rows, k, *, count, mesh, recall_target,
     k: results per query (static); at most the number of rows each query may return.
     count: number of real rows (static).
     recall_target: None for exact `top_k` per shard, else `approx_max_k`'s recall target.
+    block_rows: rows scored at a time on a device (static); divides the shard's rows.
 
   Returns:
     scores [Q, k] float32 in descending order and their global rows [Q, k] int32.
   """
   shard_rows = emb.shape[0] // mesh.shape["data"]
-  local_k = min(k, shard_rows)
+  num_blocks = shard_rows // block_rows
 
-  def local_top_k(emb, queries, exclude_rows):
-    scores = finite_scores(jnp.einsum("qd,nd->qn", queries, emb, precision=precision,
-                                      preferred_element_type=jnp.float32))  # [Q, S]
-    start = jax.lax.axis_index("data") * shard_rows
-    scores = jnp.where(start + jnp.arange(shard_rows) < count, scores, -jnp.inf)
+  def block_top_k(block, queries, exclude_rows, start):
+    """Top min(k, block rows) of one block of rows whose first global row is `start`."""
+    rows = block.shape[0]
+    scores = finite_scores(jnp.einsum("qd,nd->qn", queries, block, precision=precision,
+                                      preferred_element_type=jnp.float32))  # [Q, R]
+    scores = jnp.where(start + jnp.arange(rows) < count, scores, -jnp.inf)
     local = exclude_rows - start  # [Q, E]
-    # Rows of other shards (and -1) point one past the end, where mode="drop" ignores them.
-    local = jnp.where((exclude_rows >= 0) & (local >= 0) & (local < shard_rows), local, shard_rows)
+    # Rows of other blocks (and -1) point one past the end, where mode="drop" ignores them.
+    local = jnp.where((exclude_rows >= 0) & (local >= 0) & (local < rows), local, rows)
     scores = scores.at[jnp.arange(scores.shape[0])[:, None], local].set(-jnp.inf, mode="drop")
     if recall_target is None:
-      top_scores, top_rows = jax.lax.top_k(scores, local_k)
+      top_scores, top_rows = jax.lax.top_k(scores, min(k, rows))
     else:
-      top_scores, top_rows = jax.lax.approx_max_k(scores, local_k, recall_target=recall_target)
-    return top_scores, top_rows + start  # [Q, local_k] each
+      top_scores, top_rows = jax.lax.approx_max_k(scores, min(k, rows),
+                                                  recall_target=recall_target)
+    return top_scores, top_rows + start
+
+  def local_top_k(emb, queries, exclude_rows):
+    start = jax.lax.axis_index("data") * shard_rows
+    if num_blocks == 1:
+      return block_top_k(emb, queries, exclude_rows, start)  # [Q, min(k, S)] each
+    blocks = emb.reshape(num_blocks, block_rows, emb.shape[1])
+
+    def one(_, b):
+      return None, block_top_k(blocks[b], queries, exclude_rows, start + b * block_rows)
+
+    # One block's [Q, block_rows] scores live at a time; each block's top-k is kept.
+    _, (scores, rows) = jax.lax.scan(one, None, jnp.arange(num_blocks))  # [nb, Q, kb] each
+    scores = jnp.moveaxis(scores, 0, 1).reshape(scores.shape[1], -1)  # [Q, nb * kb]
+    rows = jnp.moveaxis(rows, 0, 1).reshape(rows.shape[1], -1)
+    top_scores, pos = jax.lax.top_k(scores, min(k, scores.shape[1]))
+    return top_scores, jnp.take_along_axis(rows, pos, axis=1)
 
   # Per-shard candidates side by side: [Q, shards * local_k] each.
   scores, rows = jax.shard_map(
@@ -102,18 +128,68 @@ def _sharded_top_k(emb, queries, exclude_rows, k, *, count, mesh, recall_target,
   return top_scores, jnp.take_along_axis(rows, pos, axis=1)
 
 
+def shard_layout(count: int, shards: int, max_block_rows: int) -> tuple[int, int]:
+  """(rows per shard, rows per block) for `count` rows over `shards` devices: equal shards of
+  equal blocks of at most `max_block_rows` rows (multiples of 8 when blocked), padded as little
+  as that allows."""
+  shard_rows = -(-count // shards)
+  if shard_rows <= max_block_rows:
+    return shard_rows, shard_rows
+  num_blocks = -(-shard_rows // max_block_rows)
+  block_rows = -(-shard_rows // num_blocks)
+  block_rows += -block_rows % 8
+  return num_blocks * block_rows, block_rows
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_rows(buffer, rows, at):
+  """`buffer` [S, D] with `rows` [R, D] written from row `at` (donated: in place)."""
+  return jax.lax.dynamic_update_slice(buffer, rows, (at, 0))
+
+
+def device_rows(rows: HostRows, dtype: np.dtype, sharding: NamedSharding,
+                padded: int) -> jax.Array:
+  """The [padded, D] array of `rows` (zeros below them) with `sharding`, each addressable
+  device's rows copied from the host a slice at a time (`HostRows.chunks`): the host never holds
+  more than one slice of it beside what `rows` already holds. Devices that hold the same rows
+  (a mesh with other axes) get a device-to-device copy."""
+  count, dim = rows.shape
+  shape = (padded, dim)
+  filled, arrays = {}, []
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    start, stop, _ = index[0].indices(padded)
+    if (start, stop) in filled:
+      arrays.append(jax.device_put(filled[start, stop], device))
+      continue
+    real = max(0, min(stop, count) - start)
+    if real == stop - start and real <= rows.chunk_rows():  # one slice: put it as it is
+      buffer = jax.device_put(np.asarray(rows.read(start, stop), dtype), device)
+    else:
+      buffer = jnp.zeros((stop - start, dim), dtype, device=device)
+      for lo, part in rows.chunks(start, start + real):
+        buffer = _put_rows(buffer, jax.device_put(np.asarray(part, dtype), device),
+                           np.int32(lo - start))
+    filled[start, stop] = buffer
+    arrays.append(buffer)
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
 class ExactSearcher:
   """Exact top-k over rows sharded along N on the devices of a mesh (a `Searcher`).
 
   Args:
-    embeddings: [N, D] float rows; each device receives its own rows, as `dtype` (no padded host
-      copy of the whole index is made).
+    embeddings: [N, D] float rows, an array or `HostRows` (rows.py: e.g. a file read in slices);
+      each device receives its own rows, as `dtype`, a slice at a time (no host copy of the
+      index is made).
     dtype: storage dtype (float32 or bfloat16). Scores are always computed in float32.
     mesh: devices to shard the rows over, on an axis named "data" (default: all devices).
     precision: matmul precision; "highest" keeps float32 queries exact on TPU/GPU (the default
       precision there rounds them to bfloat16/TF32: faster, ~1e-3 relative).
-    query_batch_size: queries per device call; [query_batch_size, N / devices] float32 scores are
-      live on each device at once. Larger query sets are cut into batches of this size.
+    query_batch_size: queries per device call. Larger query sets are cut into batches of this
+      size.
+    max_score_bytes: the most [query_batch_size, rows] float32 scores a device holds at once; a
+      larger shard is scored in blocks of rows (the default, 256 MiB, is 262,144 rows for 256
+      queries).
   """
 
   on_device = True
@@ -121,41 +197,55 @@ class ExactSearcher:
   config_keys = ()
   recall_target = None  # exact top_k per shard; ApproxSearcher sets approx_max_k's target
 
-  def __init__(self, embeddings: np.ndarray, dtype: np.dtype, mesh: Mesh | None = None, *,
-               precision: str = "highest", query_batch_size: int = 256):
+  def __init__(self, embeddings: np.ndarray | HostRows, dtype: np.dtype, mesh: Mesh | None = None,
+               *, precision: str = "highest", query_batch_size: int = 256,
+               max_score_bytes: int = 256 << 20):
     config_checks.whole_number("query_batch_size", query_batch_size, 1)
+    config_checks.whole_number("max_score_bytes", max_score_bytes, 1)
     mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()), ("data",))
     if "data" not in mesh.axis_names:
       raise ValueError(f"The mesh needs an axis named 'data' to shard the index over; it has "
                        f"{mesh.axis_names}.")
-    self.count, self.dim = embeddings.shape
+    rows = as_rows(embeddings)
+    self.count, self.dim = rows.shape
     self.query_batch_size = query_batch_size
     shards = mesh.shape["data"]
-    padded = -(-self.count // shards) * shards
+    shard_rows, self.block_rows = shard_layout(
+        self.count, shards, max(8, max_score_bytes // (4 * query_batch_size)))
     sharding = NamedSharding(mesh, P("data"))
-
-    def shard(index):  # each device's rows on their own: no padded host copy of the whole index
-      start, stop, _ = index[0].indices(padded)
-      out = np.zeros((stop - start, self.dim), dtype)
-      real = embeddings[start:min(stop, self.count)]
-      out[:len(real)] = real
-      return out
-
-    self.emb = jax.make_array_from_callback((padded, self.dim), sharding, shard)  # [N_pad, D]
+    self.emb = device_rows(rows, np.dtype(dtype), sharding, shards * shard_rows)  # [N_pad, D]
     replicated = NamedSharding(mesh, P())
     self._search_fn = jax.jit(
         functools.partial(_sharded_top_k, count=self.count, mesh=mesh,
                           recall_target=self.recall_target,
-                          precision=jax.lax.Precision(precision)),
+                          precision=jax.lax.Precision(precision), block_rows=self.block_rows),
         static_argnums=3, in_shardings=(sharding, replicated, replicated),
         out_shardings=replicated)
 
   def embeddings(self) -> np.ndarray:
     """The stored [N, D] rows on the host, in the storage dtype."""
+    return self.rows(0, self.count)
+
+  def rows(self, lo: int, hi: int) -> np.ndarray:
+    """Rows [lo, hi) on the host, in the storage dtype, copied from the devices that hold them
+    (a slice of each: `save` writes a large index this way, a slice at a time)."""
     if not self.emb.is_fully_addressable:
       raise ValueError("This index is sharded over several hosts; each holds only its own rows. "
                        "Save it from the embeddings it was built from (save(..., embeddings=)).")
-    return np.asarray(jax.device_get(self.emb))[:self.count]
+    parts, seen = [], set()
+    for shard in sorted(self.emb.addressable_shards, key=lambda s: s.index[0].start or 0):
+      start, stop, _ = shard.index[0].indices(self.emb.shape[0])
+      if start in seen or stop <= lo or start >= hi:
+        continue
+      seen.add(start)
+      a, b = max(lo, start) - start, min(hi, stop) - start
+      if shard.device.platform == "cpu":  # host memory already: a view, no copy
+        parts.append(np.asarray(shard.data)[a:b])
+      else:  # only the slice crosses to the host
+        parts.append(np.asarray(jax.device_get(shard.data[a:b])))
+    if not parts:
+      return np.zeros((0, self.dim), self.emb.dtype)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
   def search(self, queries: np.ndarray, k: int, exclude_rows: np.ndarray):
     """Scores [Q, k] float32 (descending) and rows [Q, k] int32 of `queries` [Q, D] float32, never
@@ -186,8 +276,8 @@ class ApproxSearcher(ExactSearcher):
     recall_target: `approx_max_k`'s recall target, in (0, 1]. The others: `ExactSearcher`'s.
   """
 
-  def __init__(self, embeddings: np.ndarray, dtype: np.dtype, mesh: Mesh | None = None, *,
-               recall_target: float = 0.95, **options):
+  def __init__(self, embeddings: np.ndarray | HostRows, dtype: np.dtype,
+               mesh: Mesh | None = None, *, recall_target: float = 0.95, **options):
     if not 0 < recall_target <= 1:
       raise ValueError(f"recall_target={recall_target!r}: give a recall in (0, 1].")
     self.recall_target = recall_target

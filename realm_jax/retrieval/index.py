@@ -9,8 +9,10 @@ came from), and never returns padding or excluded rows, even for queries with no
 and its step fails on its own loss, not on an index error).
 
 `save` and `load` write and read the files of realm_jax/retrieval/index_store.py (which also
-publishes numbered indexes behind a LATEST pointer); `index_options` turns a config's `index`
-section into `DocIndex` arguments.
+publishes numbered indexes behind a LATEST pointer) a slice of rows at a time, and an index can be
+built from rows that are read in slices (realm_jax/retrieval/rows.py: embedding shards on disk),
+so a device searcher's index is never held twice in host memory. `index_options` turns a config's
+`index` section into `DocIndex` arguments.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from realm_jax import config_checks
-from realm_jax.retrieval.index_store import DTYPES, read_arrays, read_manifest, write_index
+from realm_jax.retrieval.index_store import DTYPES, open_arrays, read_manifest, write_index
+from realm_jax.retrieval.rows import HostRows, as_rows
 from realm_jax.retrieval.searcher import SEARCHERS
 
 
@@ -29,7 +32,8 @@ class DocIndex:
   """Top-k maximum-inner-product search over block embeddings with unique int64 block ids.
 
   Args:
-    embeddings: [N, D] float array (float32 or bfloat16), N >= 1.
+    embeddings: [N, D] float array (float32 or bfloat16), N >= 1, or `HostRows` of them (read a
+      slice at a time: e.g. `ConcatRows` of embedding shard files).
     block_ids: [N] unique non-negative int64 ids (hashes, not 0..N-1); results are given as these.
     searcher: a name in `SEARCHERS` ("exact", "approx" or "scann"; realm_jax/retrieval/searcher.py).
     mesh: devices a device searcher shards the embeddings over, on an axis named "data" (default:
@@ -41,14 +45,17 @@ class DocIndex:
   Once built, `index.searcher` is the searcher object itself, an instance of SEARCHERS[searcher].
   """
 
-  def __init__(self, embeddings: np.ndarray, block_ids: np.ndarray, searcher: str = "exact", *,
-               mesh: Mesh | None = None, dtype: str = "float32", **options):
-    embeddings, block_ids = np.asarray(embeddings), np.asarray(block_ids)
+  def __init__(self, embeddings: np.ndarray | HostRows, block_ids: np.ndarray,
+               searcher: str = "exact", *, mesh: Mesh | None = None, dtype: str = "float32",
+               **options):
+    if not isinstance(embeddings, HostRows):
+      embeddings = np.asarray(embeddings)
+    block_ids = np.asarray(block_ids)
     if searcher not in SEARCHERS:
       raise ValueError(f"Unknown searcher {searcher!r}: use one of {tuple(SEARCHERS)}.")
     if str(dtype) not in DTYPES:
       raise ValueError(f"Unknown storage dtype {dtype!r}: use one of {tuple(DTYPES)}.")
-    if embeddings.ndim != 2:
+    if len(embeddings.shape) != 2:
       raise ValueError(f"embeddings must be [N, D]; got shape {embeddings.shape}.")
     if len(embeddings) == 0:
       raise ValueError("Cannot build an empty index: embeddings has no rows. Embed a corpus first.")
@@ -68,7 +75,8 @@ class DocIndex:
       raise ValueError(f"Block ids must be non-negative (-1 means 'nothing' in exclude_ids); got "
                        f"{sorted_ids[0]}.")
     if SEARCHERS[searcher].needs_finite_rows:
-      bad = np.flatnonzero(~np.isfinite(embeddings).all(axis=1))
+      bad = np.concatenate([lo + np.flatnonzero(~np.isfinite(part).all(axis=1))
+                            for lo, part in as_rows(embeddings).chunks()])
       if len(bad):
         raise ValueError(f"{len(bad)} embedding rows are not finite (NaN or infinite), e.g. block "
                          f"ids {block_ids[bad[:5]].tolist()}: the model that embedded them has "
@@ -161,15 +169,17 @@ class DocIndex:
     """
     config_checks.whole_number("step", step, 0, None, " (the training step)")
     if embeddings is None:
-      embeddings = self.embeddings()
+      rows = _SearcherRows(self.searcher, (self.count, self.dim), self.dtype)
     elif np.shape(embeddings) != (self.count, self.dim):
       raise ValueError(f"embeddings has shape {np.shape(embeddings)}; this index is "
                        f"[{self.count}, {self.dim}].")
+    else:
+      rows = np.asarray(embeddings).astype(self.dtype, copy=False)
     write_index(directory, {**(extra or {}), "step": int(step),
                             "model_fingerprint": str(model_fingerprint),
                             "corpus_fingerprint": str(corpus_fingerprint),
                             "dtype": self.dtype.name, "count": self.count, "dim": self.dim},
-                np.asarray(embeddings).astype(self.dtype, copy=False), self.block_ids)
+                rows, self.block_ids)
 
   @classmethod
   def load(cls, directory: str | os.PathLike, *, expected_dim: int | None = None,
@@ -198,10 +208,21 @@ class DocIndex:
       if expected is not None and manifest[key] != expected:
         raise ValueError(f"The index in {directory} was {what} {manifest[key]!r}, but "
                          f"{expected!r} was expected: {fix}")
-    emb, ids = read_arrays(directory, manifest)
-    index = cls(emb, ids, searcher, mesh=mesh, dtype=dtype or manifest["dtype"], **options)
+    with open_arrays(directory, manifest) as (rows, ids):  # read into the searcher a slice at a time
+      index = cls(rows, ids, searcher, mesh=mesh, dtype=dtype or manifest["dtype"], **options)
     index.manifest, index.directory = manifest, directory
     return index
+
+
+class _SearcherRows(HostRows):
+  """A searcher's stored rows, read a slice at a time (what `DocIndex.save` writes)."""
+
+  def __init__(self, searcher, shape, dtype):
+    self.searcher, self.shape, self.dtype = searcher, shape, np.dtype(dtype)
+
+  def read(self, lo: int, hi: int) -> np.ndarray:
+    self._check(lo, hi)
+    return self.searcher.rows(lo, hi)
 
 
 def index_options(index_config) -> dict:

@@ -6,6 +6,9 @@ weights and of the corpus, dtype, shape, a save id and the CRC-32 of the arrays)
 locally into a temporary directory renamed into place, on gs:// with the manifest uploaded last
 (realm_jax/io_utils.py), and counts as saved only once its manifest exists. Reading checks the
 CRC-32: a file damaged after it was saved (even with its size unchanged) is refused, not searched.
+Both directions go a slice of rows at a time (realm_jax/retrieval/rows.py): saving a 13.35M x 128
+index does not gather a second copy of it on the host, and loading reads the file straight into
+the searcher's memory.
 
 An asynchronously refreshed index is published as `root/index-<step>` with `root/LATEST` naming
 the current one (`publish_index`, `latest_index_dir`); old ones are pruned (`prune_indexes`).
@@ -13,6 +16,7 @@ the current one (`publish_index`, `latest_index_dir`); old ones are pruned (`pru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -20,14 +24,15 @@ import math
 import os
 import re
 import uuid
-import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
 
 from realm_jax.io_utils import as_path, atomic_write_dir, local_file, read_json, write_json
+from realm_jax.retrieval.rows import (HostRows, as_rows, crc32_of_chunks, read_all,
+                                      read_safetensors_header, safetensors_rows, write_safetensors)
 
 if TYPE_CHECKING:
   from realm_jax.retrieval.index import DocIndex
@@ -47,13 +52,10 @@ def arrays_crc32(*arrays: np.ndarray) -> str:
   # below disk speed. Over 200 MB on one core of a Xeon with SHA instructions, zlib.crc32 ran at
   # 1.6-2.3 GB/s, hashlib's sha256 at 0.9-1.6 and blake2b at 0.7-1.0 (sha256 is slower still
   # without SHA instructions).
-  crc = 0
-  for a in arrays:
-    crc = zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8), crc)
-  return f"{crc:08x}"
+  return f"{crc32_of_chunks(arrays):08x}"
 
 
-def write_index(directory: str | os.PathLike, fields: dict, embeddings: np.ndarray,
+def write_index(directory: str | os.PathLike, fields: dict, embeddings: np.ndarray | HostRows,
                 block_ids: np.ndarray) -> None:
   """Writes `index.safetensors` and `manifest.json` into `directory`, atomically (replacing it).
 
@@ -62,22 +64,30 @@ def write_index(directory: str | os.PathLike, fields: dict, embeddings: np.ndarr
       uploaded after the arrays: an index without one is not complete).
     fields: the manifest's step, fingerprints, dtype, count and dim (see `read_manifest`); the
       format version, a new save id and the arrays' CRC-32 are added here.
-    embeddings: [N, D] in the storage dtype.
+    embeddings: [N, D] in the storage dtype, an array or `HostRows` (written a slice at a time).
     block_ids: [N] int64.
   """
-  from safetensors.numpy import save_file  # local: only saving and loading need it
-
+  rows = as_rows(embeddings)
+  block_ids = np.ascontiguousarray(block_ids, np.int64)
   # A new id for each save, in the manifest and in the arrays' header: `read_arrays` can tell a
   # manifest from the arrays of another save of the same directory (a reader racing a writer),
   # and an upload to gs:// is never skipped as unchanged.
   save_id = uuid.uuid4().hex
-  manifest = {"format_version": FORMAT_VERSION, **fields, "save_id": save_id}
-  arrays = {"embeddings": embeddings, "block_ids": block_ids}
-  manifest["arrays_crc32"] = arrays_crc32(embeddings, block_ids)
+  crc = [0]
+
+  def counted(chunks):  # the CRC-32 of what is written, as it is written
+    for part in chunks:
+      crc[0] = crc32_of_chunks([part], crc[0])
+      yield part
 
   def write(tmp):
-    save_file(arrays, os.path.join(tmp, ARRAYS), metadata={"save_id": save_id})
-    write_json(os.path.join(tmp, MANIFEST), manifest)
+    write_safetensors(os.path.join(tmp, ARRAYS), {
+        "embeddings": (rows.shape, rows.dtype, lambda: counted(p for _, p in rows.chunks())),
+        "block_ids": (block_ids.shape, block_ids.dtype, lambda: counted([block_ids]))},
+        metadata={"save_id": save_id})
+    write_json(os.path.join(tmp, MANIFEST), {"format_version": FORMAT_VERSION, **fields,
+                                             "save_id": save_id,
+                                             "arrays_crc32": f"{crc[0]:08x}"})
 
   atomic_write_dir(directory, write, marker=MANIFEST)
 
@@ -116,46 +126,61 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 
 def read_arrays(directory: str, manifest: dict) -> tuple[np.ndarray, np.ndarray]:
-  """The embeddings [N, D] and block ids [N] of `directory`, as its (validated) `manifest`
-  promises them: same shape and dtype, same save, same CRC-32 (indexes saved before manifests had
-  a CRC-32 are not checked); a clear error otherwise."""
-  emb, ids, save_id = _read_safetensors(directory)
-  if (emb is None or ids is None or emb.shape != (manifest["count"], manifest["dim"])
-      or ids.shape != (manifest["count"],) or emb.dtype != DTYPES[manifest["dtype"]]):
-    raise ValueError(f"{directory}/{ARRAYS} does not hold the [{manifest['count']}, "
-                     f"{manifest['dim']}] {manifest['dtype']} embeddings and block ids its "
-                     "manifest promises; rebuild the index.")
-  if save_id != manifest.get("save_id"):  # both None for indexes saved before save_id existed
-    raise ValueError(f"{directory} was saved again while it was being read (its manifest and "
-                     "arrays come from different saves); load it again.")
-  _check_crc(directory, manifest, emb, ids)
-  return emb, ids
+  """The embeddings [N, D] and block ids [N] of `directory` in memory, as its (validated)
+  `manifest` promises them (see `open_arrays`)."""
+  with open_arrays(directory, manifest) as (rows, ids):
+    return read_all(rows), ids
 
 
-def _read_safetensors(directory: str):
-  """(embeddings, block_ids, save_id) of `directory`/index.safetensors (None for what it lacks);
-  a clear error for a truncated or corrupt file."""
-  from safetensors import SafetensorError, safe_open  # local: only saving and loading need it
-
-  with local_file(os.path.join(directory, ARRAYS)) as path:  # safe_open reads local files only
+@contextlib.contextmanager
+def open_arrays(directory: str, manifest: dict) -> Iterator[tuple[HostRows, np.ndarray]]:
+  """(embeddings [N, D] as `HostRows` read from the file a slice at a time, block ids [N]) of
+  `directory`, checked against its (validated) `manifest`: same shape and dtype, same save, same
+  CRC-32 (indexes saved before manifests had a CRC-32 are not checked); a clear error otherwise.
+  The rows can be read while the context is open (a gs:// file is a local copy until then)."""
+  with local_file(os.path.join(directory, ARRAYS)) as path:  # a gs:// file is downloaded
     try:
-      with safe_open(path, framework="numpy") as f:
-        names = set(f.keys())
-        arrays = [f.get_tensor(n) if n in names else None for n in ("embeddings", "block_ids")]
-        return (*arrays, (f.metadata() or {}).get("save_id"))
-    except (SafetensorError, OSError) as e:
+      header = read_safetensors_header(path)
+      rows = safetensors_rows(path, "embeddings", header) if "embeddings" in header[0] else None
+      id_rows = (safetensors_rows(path, "block_ids", _as_column(header, "block_ids"))
+                 if "block_ids" in header[0] else None)
+    except (ValueError, OSError, KeyError, TypeError) as e:
       raise ValueError(f"{directory}/{ARRAYS} cannot be read ({e}): the file is truncated or "
                        f"corrupt. Delete {directory} and rebuild the index.") from e
+    if (rows is None or id_rows is None or rows.shape != (manifest["count"], manifest["dim"])
+        or len(id_rows) != manifest["count"] or rows.dtype != DTYPES[manifest["dtype"]]
+        or id_rows.dtype != np.int64):
+      raise ValueError(f"{directory}/{ARRAYS} does not hold the [{manifest['count']}, "
+                       f"{manifest['dim']}] {manifest['dtype']} embeddings and block ids its "
+                       "manifest promises; rebuild the index.")
+    save_id = (header[0].get("__metadata__") or {}).get("save_id")
+    if save_id != manifest.get("save_id"):  # both None for indexes saved before save_id existed
+      raise ValueError(f"{directory} was saved again while it was being read (its manifest and "
+                       "arrays come from different saves); load it again.")
+    ids = read_all(id_rows).reshape(-1)
+    _check_crc(directory, manifest, rows, ids)
+    yield rows, ids
 
 
-def _check_crc(directory: str, manifest: dict, emb: np.ndarray, ids: np.ndarray) -> None:
-  """ValueError unless the arrays read have the CRC-32 of the manifest (none before it existed)."""
+def _as_column(header: tuple[dict, int], name: str) -> tuple[dict, int]:
+  """`header` with the 1-D tensor `name` seen as [N, 1] (so that it is read as rows)."""
+  tensors, start = header
+  info = dict(tensors[name])
+  if len(info["shape"]) != 1:
+    raise ValueError(f"tensor {name!r} has shape {info['shape']}, not [N]")
+  info["shape"] = [info["shape"][0], 1]
+  return {**tensors, name: info}, start
+
+
+def _check_crc(directory: str, manifest: dict, rows: HostRows, ids: np.ndarray) -> None:
+  """ValueError unless the arrays read have the CRC-32 of the manifest (none before it existed).
+  The rows are read a slice at a time."""
   want = manifest.get("arrays_crc32")
   if want is None:  # saved before realm_jax wrote checksums
     logging.info("%s has no checksum in its manifest (saved by an older realm_jax): its arrays "
                  "are not verified. Rebuild it to have them verified.", directory)
     return
-  got = arrays_crc32(emb, ids)
+  got = f"{crc32_of_chunks([ids], crc32_of_chunks(p for _, p in rows.chunks())):08x}"
   if got != want:
     raise ValueError(
         f"{directory}/{ARRAYS} is corrupt: its arrays' CRC-32 is {got}, but its manifest says "

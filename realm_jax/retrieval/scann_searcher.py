@@ -18,13 +18,14 @@ from jax.sharding import Mesh
 
 from realm_jax import config_checks
 from realm_jax.retrieval.exact import brute_force_top_k, finite_scores
+from realm_jax.retrieval.rows import HostRows, read_all
 
 
 class ScannSearcher:
   """ScaNN's candidates, re-scored exactly (a `Searcher`).
 
   Args:
-    embeddings: [N, D] finite float rows, kept on the host as `dtype`.
+    embeddings: [N, D] finite float rows (an array or `HostRows`), kept on the host as `dtype`.
     dtype: storage dtype (float32 or bfloat16); ScaNN indexes them as float32.
     mesh: not used (ScaNN shares the queries out over the host's cores itself).
     num_leaves, num_leaves_to_search, training_sample_size, reorder_num_neighbors: ScaNN's tree
@@ -44,7 +45,8 @@ class ScannSearcher:
   config_keys = ("num_leaves", "num_leaves_to_search", "reorder_num_neighbors", "dims_per_block",
                  "training_sample_size")
 
-  def __init__(self, embeddings: np.ndarray, dtype: np.dtype, mesh: Mesh | None = None, *,
+  def __init__(self, embeddings: np.ndarray | HostRows, dtype: np.dtype,
+               mesh: Mesh | None = None, *,
                num_leaves: int | None = None, num_leaves_to_search: int | None = None,
                training_sample_size: int = 100_000, reorder_num_neighbors: int = 100,
                dims_per_block: int = 2):
@@ -61,7 +63,7 @@ class ScannSearcher:
         "reorder_num_neighbors", reorder_num_neighbors, 1, None,
         " (ScaNN's best hashed candidates re-scored exactly; 100 by default, more for recall)")
     self.count = len(embeddings)
-    self._emb = embeddings.astype(dtype, copy=False)  # [N, D]
+    self._emb = read_all(embeddings).astype(dtype, copy=False)  # [N, D]
     self._reorder_num_neighbors = int(reorder_num_neighbors)
     self._scann = self._build(num_leaves, num_leaves_to_search, training_sample_size,
                               int(reorder_num_neighbors), int(dims_per_block))
@@ -97,6 +99,10 @@ class ScannSearcher:
   def embeddings(self) -> np.ndarray:
     """The stored [N, D] rows, in the storage dtype."""
     return self._emb
+
+  def rows(self, lo: int, hi: int) -> np.ndarray:
+    """Rows [lo, hi), in the storage dtype (a view)."""
+    return self._emb[lo:hi]
 
   def search(self, queries: np.ndarray, k: int, exclude_rows: np.ndarray):
     """Scores [Q, k] float32 (descending) and rows [Q, k] int64 of `queries` [Q, D] float32, never

@@ -1,6 +1,7 @@
 """What a searcher of the index is, and the registry `DocIndex` builds them from by name.
 
-A searcher answers top-k inner-product queries over the rows of one [N, D] embedding matrix. It
+A searcher answers top-k inner-product queries over the rows of one [N, D] embedding matrix (given
+as an array or as `HostRows`, realm_jax/retrieval/rows.py, read a slice at a time). It
 knows nothing of block ids, files or configs: `DocIndex` (realm_jax/retrieval/index.py) maps ids to
 rows, checks queries, k and exclusions before calling it, and saves and loads the index.
 """
@@ -17,7 +18,8 @@ from realm_jax.retrieval.scann_searcher import ScannSearcher
 
 class Searcher(Protocol):
   """Top-k maximum-inner-product search, built as `cls(embeddings, dtype, mesh, **options)`:
-  the [N, D] float rows, their storage `np.dtype`, a `Mesh` or None, and its own settings.
+  the [N, D] float rows (an array or `HostRows`), their storage `np.dtype`, a `Mesh` or None, and
+  its own settings.
 
   To add a searcher: write its class in its own file (exact.py shows the shape), then add it to
   SEARCHERS below under the name that `--config.index.searcher` will take.
@@ -44,6 +46,10 @@ class Searcher(Protocol):
 
   def embeddings(self) -> np.ndarray:
     """The stored [N, D] rows on the host, in the storage dtype."""
+
+  def rows(self, lo: int, hi: int) -> np.ndarray:
+    """The stored rows [lo, hi) on the host, in the storage dtype (`DocIndex.save` writes an
+    index a slice at a time)."""
 
 
 SEARCHERS: dict[str, type[Searcher]] = {
