@@ -289,6 +289,26 @@ def test_scann_excludes_blocks(scann_case):
   assert recall(found, exact_index.search(queries, 10, exclude_ids=sources)[1]) >= 0.95
 
 
+def test_scann_retuned_at_query_time(scann_case):
+  """Searching fewer leaves loses recall, searching all of them (with a deep re-ordering) finds
+  what exact search finds; no rebuild, and the settings say what is used."""
+  tree, queries = scann_case["tree"], scann_case["queries"]
+  exact_ids = scann_case["exact"].search(queries, 10)[1]
+  try:
+    tree.searcher.retune(num_leaves_to_search=1)
+    assert tree.searcher.settings["num_leaves_to_search"] == 1
+    one_leaf = recall(tree.search(queries, 10)[1], exact_ids)
+    tree.searcher.retune(num_leaves_to_search=141, reorder_num_neighbors=1000)
+    every_leaf = recall(tree.search(queries, 10)[1], exact_ids)
+    assert one_leaf < 0.9 < 0.99 <= every_leaf, (one_leaf, every_leaf)
+    for bad in (dict(num_leaves_to_search=142), dict(num_leaves_to_search=0),
+                dict(reorder_num_neighbors=0)):
+      with pytest.raises(ValueError, match=next(iter(bad))):
+        tree.searcher.retune(**bad)
+  finally:
+    tree.searcher.retune(num_leaves_to_search=14, reorder_num_neighbors=100)
+
+
 def test_scann_rejects_bad_dims_per_block_and_reorder_num_neighbors():
   pytest.importorskip("scann")
   emb, ids, _ = untied_data(6, 50, q=1)

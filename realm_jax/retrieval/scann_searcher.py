@@ -96,6 +96,19 @@ class ScannSearcher:
                  time.perf_counter() - start)
     return searcher
 
+  def retune(self, num_leaves_to_search: int | None = None,
+             reorder_num_neighbors: int | None = None) -> None:
+    """Changes the query-time settings without building again: leaves searched (at most the
+    tree's leaves) and hashed candidates re-scored exactly; None keeps a setting."""
+    if num_leaves_to_search is not None:
+      config_checks.whole_number("num_leaves_to_search", num_leaves_to_search, 1,
+                                 self.settings["num_leaves"], " (at most the tree's leaves)")
+      self.settings["num_leaves_to_search"] = int(num_leaves_to_search)
+    if reorder_num_neighbors is not None:
+      config_checks.whole_number("reorder_num_neighbors", reorder_num_neighbors, 1)
+      self.settings["reorder_num_neighbors"] = self._reorder_num_neighbors = int(
+          reorder_num_neighbors)
+
   def embeddings(self) -> np.ndarray:
     """The stored [N, D] rows, in the storage dtype."""
     return self._emb
@@ -132,6 +145,8 @@ class ScannSearcher:
         queries, final_num_neighbors=candidates,
         pre_reorder_num_neighbors=min(self.count, max(candidates,
                                                       self._reorder_num_neighbors + num_excluded)),
+        leaves_to_search=(self.settings["num_leaves_to_search"]
+                          if self.settings["num_leaves"] > 1 else None),
         batch_size=-(-len(queries) // (os.cpu_count() or 1)))  # a share of the queries per core
     rows = rows.astype(np.int64)  # [Q, C]
     # ScaNN pads with NaN distances when its searched leaves hold fewer than C rows.
