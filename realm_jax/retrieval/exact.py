@@ -169,6 +169,7 @@ def device_rows(rows: HostRows, dtype: np.dtype, sharding: NamedSharding,
       for lo, part in rows.chunks(start, start + real):
         buffer = _put_rows(buffer, jax.device_put(np.asarray(part, dtype), device),
                            np.int32(lo - start))
+        buffer.block_until_ready()  # else slices queue up on the device, each a copy in memory
     filled[start, stop] = buffer
     arrays.append(buffer)
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
