@@ -206,7 +206,7 @@ def test_built_saved_and_loaded_a_slice_at_a_time(tmp_path, monkeypatch, devices
   assert max(n for name, n in written if name == "embeddings") <= 3
   manifests = [read_manifest(tmp_path / d) for d in "ab"]
   assert manifests[0]["arrays_crc32"] == manifests[1]["arrays_crc32"] == arrays_crc32(
-      emb.astype(dtype), ids)
+      emb.astype(dtype), ids) == index.arrays_crc32()
   reads = []
   real_read = rows_lib.FileRows.read
   monkeypatch.setattr(rows_lib.FileRows, "read", lambda self, lo, hi: reads.append(

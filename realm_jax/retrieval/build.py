@@ -17,7 +17,7 @@ from realm_jax.io_utils import as_path
 from realm_jax.retrieval.embed import embed_corpus
 from realm_jax.models.config import COMPUTE_DTYPES
 from realm_jax.retrieval.index import DocIndex, index_options
-from realm_jax.retrieval.index_store import (DTYPES, arrays_crc32, index_path, index_step,
+from realm_jax.retrieval.index_store import (DTYPES, index_path, index_step,
                                              latest_index_dir, publish_index, read_arrays,
                                              read_manifest)
 from realm_jax.retrieval.searcher import SEARCHERS
@@ -182,7 +182,7 @@ def _published(root: str, index: DocIndex, model_fingerprint: str, corpus_finger
   return (manifest["corpus_fingerprint"], manifest["model_fingerprint"], manifest["dtype"],
           manifest.get("arrays_crc32")) == (
               corpus_fingerprint, model_fingerprint, index.dtype.name,
-              arrays_crc32(index.embeddings(), index.block_ids))
+              index.arrays_crc32())
 
 
 def load_built_index(config, workdir: str, towers=None):

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from realm_jax import config_checks
 from realm_jax.retrieval.index_store import DTYPES, open_arrays, read_manifest, write_index
-from realm_jax.retrieval.rows import HostRows, as_rows
+from realm_jax.retrieval.rows import HostRows, as_rows, crc32_of_chunks
 from realm_jax.retrieval.searcher import SEARCHERS
 
 
@@ -93,6 +93,12 @@ class DocIndex:
   def embeddings(self) -> np.ndarray:
     """The stored [N, D] embeddings on the host, in the storage dtype."""
     return self.searcher.embeddings()
+
+  def arrays_crc32(self) -> str:
+    """The CRC-32 that a save of this index records (index_store.arrays_crc32 of the stored rows
+    and the ids), computed a slice of rows at a time."""
+    rows = _SearcherRows(self.searcher, (self.count, self.dim), self.dtype)
+    return f"{crc32_of_chunks([self.block_ids], crc32_of_chunks(p for _, p in rows.chunks())):08x}"
 
   def _rows(self, ids: np.ndarray) -> np.ndarray:
     """Row of each block id (same shape), -1 for ids not in the index (and for -1)."""
