@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from realm_jax import config_checks
 from realm_jax.retrieval.rows import HostRows, as_rows
 
+MAX_SCORE_BYTES = 256 << 20  # float32 scores a device holds at once, by default: blocks above it
 
 def finite_scores(scores):
   """NaN and infinite scores as the lowest finite float32, below every real score but above the
@@ -200,7 +201,7 @@ class ExactSearcher:
 
   def __init__(self, embeddings: np.ndarray | HostRows, dtype: np.dtype, mesh: Mesh | None = None,
                *, precision: str = "highest", query_batch_size: int = 256,
-               max_score_bytes: int = 256 << 20):
+               max_score_bytes: int = MAX_SCORE_BYTES):
     config_checks.whole_number("query_batch_size", query_batch_size, 1)
     config_checks.whole_number("max_score_bytes", max_score_bytes, 1)
     mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()), ("data",))

@@ -20,7 +20,8 @@ Per device (the state is replicated, the batch and the index are sharded over ev
                     at the b x K x M masked positions, and their gradient.
   index shard       ceil(N / devices) x D x (2 for bfloat16, 4 for float32)
   search scratch    the float32 scores of one query batch against the shard:
-                    min(256, global batch) x ceil(N / devices) x 4
+                    min(256, global batch) x ceil(N / devices) x 4, at most 256 MiB (a larger
+                    shard is scored in blocks of rows: realm_jax/retrieval/exact.py)
 
 It is an estimate of what XLA allocates, not a measurement: `benchmarks/memory.py` compares it with
 XLA's own buffer assignment of the compiled train step (and the index arrays) for the `tiny` and
@@ -37,6 +38,7 @@ import jax
 
 from realm_jax import config_checks
 from realm_jax.models.config import RealmConfig
+from realm_jax.retrieval.exact import MAX_SCORE_BYTES
 from realm_jax.retrieval.searcher import SEARCHERS
 
 GIB = 1024**3
@@ -107,7 +109,8 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
       "update buffers": 4 * p,
       "activations": activations,
       "index shard": on_device * shard_rows * dim * index_bytes,
-      "search scratch": on_device * min(SEARCH_QUERY_BATCH, config.batch_size) * shard_rows * 4,
+      "search scratch": on_device * min(min(SEARCH_QUERY_BATCH, config.batch_size) * shard_rows * 4,
+                                        MAX_SCORE_BYTES),
   }
   return {"parts": parts, "total": sum(parts.values()), "params": counts, "devices": devices,
           "examples_per_device": b, "index_rows": index_rows, "shard_rows": shard_rows,
