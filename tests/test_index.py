@@ -150,6 +150,21 @@ def test_blocked_scoring_equals_brute_force(devices, n, block):
     np.testing.assert_allclose(scores, want_scores, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_rows", [7, 64, 1 << 18])
+@pytest.mark.parametrize("dtype", [np.float32, jax.numpy.bfloat16])
+def test_numpy_reference_in_blocks_equals_one_score_matrix(block_rows, dtype):
+  emb, ids, queries = untied_data(5, 64, q=6)
+  emb = emb.astype(dtype)
+  rows = np.arange(64)
+  top = brute_force(queries, emb, rows, 64)[1]
+  exclude = np.stack([top[:, 0], top[:, 5], np.full(6, -1)], axis=1)  # [Q, 3] rows
+  for k, ex in [(1, None), (10, exclude), (61, exclude)]:
+    scores, found = brute_force_top_k(queries, emb, k, ex, batch_size=4, block_rows=block_rows)
+    want_scores, want_rows = brute_force(queries, emb, rows, k, ex)
+    np.testing.assert_array_equal(found, want_rows, err_msg=f"k={k}")
+    np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+
+
 def test_shard_layout():
   for count, shards, most in [(10, 1, 100), (13, 8, 2), (1000, 3, 64), (13_353_718, 1, 262_144),
                               (13_353_718, 8, 262_144), (7, 8, 8)]:

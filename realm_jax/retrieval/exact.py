@@ -6,7 +6,8 @@ with another top-k. One jitted function, compiled once per (query batch, k, excl
 shard whose [query batch, rows] scores would exceed `max_score_bytes` is scored in equal blocks of
 rows, one after another, keeping each block's top-k: a 13.35M-row index needs a few hundred MB of
 scores at a time, not 13 GB. Each device's rows are filled from the host a slice at a time
-(realm_jax/retrieval/rows.py), so building from files holds the index once.
+(realm_jax/retrieval/rows.py), so building from files holds the index once. bfloat16 rows are
+held on the device as their uint16 bits (`BITS`) and converted a block at a time.
 `ApproxSearcher` is the same with `jax.lax.approx_max_k` per shard (exact on CPU, fast on TPU).
 `brute_force_top_k` is the numpy reference (and ScaNN's fallback).
 
@@ -38,34 +39,44 @@ def finite_scores(scores):
 
 
 def brute_force_top_k(queries: np.ndarray, embeddings: np.ndarray, k: int,
-                      exclude_rows: np.ndarray | None = None, batch_size: int = 256):
-  """Exact top-k in numpy: float32 matmul + argpartition, `batch_size` queries at a time.
+                      exclude_rows: np.ndarray | None = None, batch_size: int = 256,
+                      block_rows: int = 1 << 18):
+  """Exact top-k in numpy: float32 matmul + argpartition, `batch_size` queries against
+  `block_rows` rows at a time (each block's best k kept, then merged), so the scores in memory
+  stay at [batch_size, block_rows] float32 (256 MiB) whatever N is.
 
   Args:
     queries: [Q, D] float32.
-    embeddings: [N, D] (any float dtype; products are taken in float32).
+    embeddings: [N, D] (any float dtype; products are taken in float32, a block at a time).
     k: results per query, at most N minus the rows excluded for any query.
     exclude_rows: optional [Q, E] row indices never to return (-1: nothing).
 
   Returns:
     scores [Q, k] float32 in descending order and their rows [Q, k] int64.
   """
-  emb = embeddings.astype(np.float32, copy=False)
-  n = len(emb)
-  batch_size = max(1, min(batch_size, (256 << 20) // (4 * n)))  # at most 256 MiB of scores
+  n = len(embeddings)
   out_scores = np.empty((len(queries), k), np.float32)
   out_rows = np.empty((len(queries), k), np.int64)
   for lo in range(0, len(queries), batch_size):
-    with np.errstate(invalid="ignore", over="ignore"):  # non-finite queries: see finite_scores
-      scores = finite_scores(queries[lo:lo + batch_size].astype(np.float32) @ emb.T)  # [B, N]
-    if exclude_rows is not None:
-      q, e = np.nonzero(exclude_rows[lo:lo + batch_size] >= 0)
-      scores[q, exclude_rows[lo + q, e]] = -np.inf
-    top = np.argpartition(scores, n - k, axis=1)[:, n - k:]  # [B, k], unordered
-    top_scores = np.take_along_axis(scores, top, axis=1)
-    order = np.argsort(-top_scores, axis=1, kind="stable")
-    out_scores[lo:lo + batch_size] = np.take_along_axis(top_scores, order, axis=1)
-    out_rows[lo:lo + batch_size] = np.take_along_axis(top, order, axis=1)
+    q = queries[lo:lo + batch_size].astype(np.float32)
+    excluded = None if exclude_rows is None else exclude_rows[lo:lo + batch_size]
+    kept_scores, kept_rows = [], []
+    for start in range(0, n, block_rows):
+      block = embeddings[start:start + block_rows].astype(np.float32, copy=False)
+      with np.errstate(invalid="ignore", over="ignore"):  # non-finite queries: see finite_scores
+        scores = finite_scores(q @ block.T)  # [B, R]
+      if excluded is not None:
+        local = excluded - start
+        i, e = np.nonzero((excluded >= 0) & (local >= 0) & (local < len(block)))
+        scores[i, local[i, e]] = -np.inf
+      keep = min(k, len(block))
+      top = np.argpartition(scores, len(block) - keep, axis=1)[:, len(block) - keep:]  # unordered
+      kept_scores.append(np.take_along_axis(scores, top, axis=1))
+      kept_rows.append(top + start)
+    scores, rows = np.concatenate(kept_scores, axis=1), np.concatenate(kept_rows, axis=1)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    out_scores[lo:lo + batch_size] = np.take_along_axis(scores, order, axis=1)
+    out_rows[lo:lo + batch_size] = np.take_along_axis(rows, order, axis=1)
   return out_scores, out_rows
 
 
@@ -74,7 +85,8 @@ def _sharded_top_k(emb, queries, exclude_rows, k, *, count, mesh, recall_target,
   """Top-k rows of `queries @ emb.T` over "data"-sharded rows, leaving out padding and exclusions.
 
   Args:
-    emb: [N_pad, D] embeddings, sharded along N over mesh axis "data"; rows >= `count` are padding.
+    emb: [N_pad, D] embeddings (float32, or bfloat16 as uint16 bits), sharded along N over mesh
+      axis "data"; rows >= `count` are padding.
     queries: [Q, D] float32, replicated.
     exclude_rows: [Q, E] int32 global row indices never to return (-1: nothing), replicated.
     k: results per query (static); at most the number of rows each query may return.
@@ -91,6 +103,8 @@ def _sharded_top_k(emb, queries, exclude_rows, k, *, count, mesh, recall_target,
   def block_top_k(block, queries, exclude_rows, start):
     """Top min(k, block rows) of one block of rows whose first global row is `start`."""
     rows = block.shape[0]
+    if block.dtype == jnp.uint16:  # bfloat16 rows held as their bits (see `BITS`)
+      block = jax.lax.bitcast_convert_type(block, jnp.bfloat16)
     scores = finite_scores(jnp.einsum("qd,nd->qn", queries, block, precision=precision,
                                       preferred_element_type=jnp.float32))  # [Q, R]
     scores = jnp.where(start + jnp.arange(rows) < count, scores, -jnp.inf)
@@ -142,6 +156,13 @@ def shard_layout(count: int, shards: int, max_block_rows: int) -> tuple[int, int
   return num_blocks * block_rows, block_rows
 
 
+# Storage dtypes held on the device as another dtype of the same bits. XLA:CPU has no bfloat16
+# matmul: given bfloat16 rows it converted the whole shard to float32 before the loop over blocks
+# (6.7 GB more for a 13.35M x 128 index); rows that are uint16 to XLA are converted a block at a
+# time, inside the loop.
+BITS = {np.dtype(jnp.bfloat16): np.dtype(np.uint16)}
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _put_rows(buffer, rows, at):
   """`buffer` [S, D] with `rows` [R, D] written from row `at` (donated: in place)."""
@@ -150,11 +171,13 @@ def _put_rows(buffer, rows, at):
 
 def device_rows(rows: HostRows, dtype: np.dtype, sharding: NamedSharding,
                 padded: int) -> jax.Array:
-  """The [padded, D] array of `rows` (zeros below them) with `sharding`, each addressable
-  device's rows copied from the host a slice at a time (`HostRows.chunks`): the host never holds
-  more than one slice of it beside what `rows` already holds. Devices that hold the same rows
-  (a mesh with other axes) get a device-to-device copy."""
+  """The [padded, D] array of `rows` as `dtype` (zeros below them; a dtype in `BITS` as those
+  bits) with `sharding`, each addressable device's rows copied from the host a slice at a time
+  (`HostRows.chunks`): the host never holds more than one slice of it beside what `rows` already
+  holds. Devices that hold the same rows (a mesh with other axes) get a device-to-device copy."""
   count, dim = rows.shape
+  held = BITS.get(np.dtype(dtype), np.dtype(dtype))
+  host = lambda part: np.asarray(part, dtype).view(held)  # [R, D] as the device holds it
   shape = (padded, dim)
   filled, arrays = {}, []
   for device, index in sharding.addressable_devices_indices_map(shape).items():
@@ -164,12 +187,11 @@ def device_rows(rows: HostRows, dtype: np.dtype, sharding: NamedSharding,
       continue
     real = max(0, min(stop, count) - start)
     if real == stop - start and real <= rows.chunk_rows():  # one slice: put it as it is
-      buffer = jax.device_put(np.asarray(rows.read(start, stop), dtype), device)
+      buffer = jax.device_put(host(rows.read(start, stop)), device)
     else:
-      buffer = jnp.zeros((stop - start, dim), dtype, device=device)
+      buffer = jnp.zeros((stop - start, dim), held, device=device)
       for lo, part in rows.chunks(start, start + real):
-        buffer = _put_rows(buffer, jax.device_put(np.asarray(part, dtype), device),
-                           np.int32(lo - start))
+        buffer = _put_rows(buffer, jax.device_put(host(part), device), np.int32(lo - start))
         buffer.block_until_ready()  # else slices queue up on the device, each a copy in memory
     filled[start, stop] = buffer
     arrays.append(buffer)
@@ -215,7 +237,8 @@ class ExactSearcher:
     shard_rows, self.block_rows = shard_layout(
         self.count, shards, max(8, max_score_bytes // (4 * query_batch_size)))
     sharding = NamedSharding(mesh, P("data"))
-    self.emb = device_rows(rows, np.dtype(dtype), sharding, shards * shard_rows)  # [N_pad, D]
+    self.dtype = np.dtype(dtype)
+    self.emb = device_rows(rows, self.dtype, sharding, shards * shard_rows)  # [N_pad, D]
     replicated = NamedSharding(mesh, P())
     self._search_fn = jax.jit(
         functools.partial(_sharded_top_k, count=self.count, mesh=mesh,
@@ -242,11 +265,11 @@ class ExactSearcher:
       seen.add(start)
       a, b = max(lo, start) - start, min(hi, stop) - start
       if shard.device.platform == "cpu":  # host memory already: a view, no copy
-        parts.append(np.asarray(shard.data)[a:b])
+        parts.append(np.asarray(shard.data)[a:b].view(self.dtype))
       else:  # only the slice crosses to the host
-        parts.append(np.asarray(jax.device_get(shard.data[a:b])))
+        parts.append(np.asarray(jax.device_get(shard.data[a:b])).view(self.dtype))
     if not parts:
-      return np.zeros((0, self.dim), self.emb.dtype)
+      return np.zeros((0, self.dim), self.dtype)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
   def search(self, queries: np.ndarray, k: int, exclude_rows: np.ndarray):
