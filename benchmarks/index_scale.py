@@ -44,6 +44,9 @@ sys.path.insert(0, ROOT)
 
 from realm_jax import cli  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from search import recall_at_k  # noqa: E402  (benchmarks/search.py)
+
 REALM_BLOCKS = 13_353_718
 ID_MULTIPLIER = 0x9E3779B97F4A7C15  # odd: a bijection modulo 2**63, so ids stay unique
 
@@ -200,10 +203,6 @@ def timed_search(search, queries, batch: int):
   start = time.perf_counter()
   found = search(queries)
   return time.perf_counter() - start, found
-
-
-def recall_at_k(found, truth) -> float:
-  return float(np.mean([len(set(f) & set(t)) / len(t) for f, t in zip(found, truth)]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from realm_jax.io_utils import as_path, atomic_write, is_remote, local_file, read_json, write_json
 from realm_jax.retrieval.index_store import arrays_crc32
-from realm_jax.retrieval.rows import (ArrayRows, ConcatRows, HostRows, crc32_of_chunks, read_all,
+from realm_jax.retrieval.rows import (ArrayRows, ConcatRows, HostRows, read_all,
                                       read_safetensors_header, safetensors_rows)
 
 Batch = dict[str, np.ndarray]
@@ -261,7 +261,7 @@ def embed_corpus(corpus, embed_fn: Callable[[Batch], jax.Array], tokenizer, out_
     if want is None:  # written by an older realm_jax
       unchecked.append(s)
       return rows
-    got = f"{crc32_of_chunks(part for _, part in rows.chunks()):08x}"
+    got = arrays_crc32(rows)
     if got != want:
       raise ValueError(f"{path} is corrupt: its CRC-32 is {got}, but it was saved with "
                        f"{want} (the file was damaged after it was written). {redo}")

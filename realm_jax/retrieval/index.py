@@ -23,8 +23,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from realm_jax import config_checks
-from realm_jax.retrieval.index_store import DTYPES, open_arrays, read_manifest, write_index
-from realm_jax.retrieval.rows import HostRows, as_rows, crc32_of_chunks
+from realm_jax.retrieval.index_store import (DTYPES, arrays_crc32, open_arrays, read_manifest,
+                                             write_index)
+from realm_jax.retrieval.rows import HostRows, as_rows
 from realm_jax.retrieval.searcher import SEARCHERS
 
 
@@ -97,8 +98,11 @@ class DocIndex:
   def arrays_crc32(self) -> str:
     """The CRC-32 that a save of this index records (index_store.arrays_crc32 of the stored rows
     and the ids), computed a slice of rows at a time."""
-    rows = _SearcherRows(self.searcher, (self.count, self.dim), self.dtype)
-    return f"{crc32_of_chunks([self.block_ids], crc32_of_chunks(p for _, p in rows.chunks())):08x}"
+    return arrays_crc32(self._stored_rows(), self.block_ids)
+
+  def _stored_rows(self) -> HostRows:
+    """The searcher's stored rows, read a slice at a time."""
+    return _SearcherRows(self.searcher, (self.count, self.dim), self.dtype)
 
   def _rows(self, ids: np.ndarray) -> np.ndarray:
     """Row of each block id (same shape), -1 for ids not in the index (and for -1)."""
@@ -175,7 +179,7 @@ class DocIndex:
     """
     config_checks.whole_number("step", step, 0, None, " (the training step)")
     if embeddings is None:
-      rows = _SearcherRows(self.searcher, (self.count, self.dim), self.dtype)
+      rows = self._stored_rows()
     elif np.shape(embeddings) != (self.count, self.dim):
       raise ValueError(f"embeddings has shape {np.shape(embeddings)}; this index is "
                        f"[{self.count}, {self.dim}].")

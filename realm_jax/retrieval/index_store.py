@@ -45,14 +45,19 @@ DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}  
 _INDEX_DIR = re.compile(r"index-(\d+)")
 
 
-def arrays_crc32(*arrays: np.ndarray) -> str:
+def arrays_crc32(*arrays: np.ndarray | HostRows) -> str:
   """CRC-32 of the arrays' bytes in C order, one after another, as 8 hex digits: a check for
-  files damaged on disk or in transfer (not for tampering)."""
+  files damaged on disk or in transfer (not for tampering). `HostRows` are read a slice at a
+  time."""
   # CRC-32 rather than SHA-256 or BLAKE2b: the check must not slow the load of a many-GB index
   # below disk speed. Over 200 MB on one core of a Xeon with SHA instructions, zlib.crc32 ran at
   # 1.6-2.3 GB/s, hashlib's sha256 at 0.9-1.6 and blake2b at 0.7-1.0 (sha256 is slower still
   # without SHA instructions).
-  return f"{crc32_of_chunks(arrays):08x}"
+  return f"{crc32_of_chunks(part for a in arrays for part in _pieces(a)):08x}"
+
+
+def _pieces(array: np.ndarray | HostRows):
+  return (part for _, part in array.chunks()) if isinstance(array, HostRows) else [array]
 
 
 def write_index(directory: str | os.PathLike, fields: dict, embeddings: np.ndarray | HostRows,
@@ -180,7 +185,7 @@ def _check_crc(directory: str, manifest: dict, rows: HostRows, ids: np.ndarray) 
     logging.info("%s has no checksum in its manifest (saved by an older realm_jax): its arrays "
                  "are not verified. Rebuild it to have them verified.", directory)
     return
-  got = f"{crc32_of_chunks([ids], crc32_of_chunks(p for _, p in rows.chunks())):08x}"
+  got = arrays_crc32(rows, ids)
   if got != want:
     raise ValueError(
         f"{directory}/{ARRAYS} is corrupt: its arrays' CRC-32 is {got}, but its manifest says "
