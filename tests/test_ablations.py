@@ -13,7 +13,7 @@ import pytest
 from conftest import started_early
 
 from realm_jax.configs import ablations as ablations_config
-from realm_jax.eval import ablations
+from realm_jax.eval import ablations, stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QA_DIR = os.path.join(ROOT, "..", "shared", "data", "nq_open")
@@ -45,11 +45,12 @@ def test_ratio_standard_error_by_hand():
   num, den = np.array([1.0, 0.0, 2.0, 1.0]), np.array([1.0, 2.0, 2.0, 1.0])
   r = 4.0 / 6.0
   want = math.sqrt(4 / 3 * sum((x - r * d) ** 2 for x, d in zip(num, den))) / 6.0
-  assert ablations.ratio_se(num, den) == pytest.approx(want)
+  assert stats.ratio_se(num, den) == pytest.approx((r, want))
   # With one unit per question (den 1) it is the usual binomial standard error times sqrt(E/(E-1)).
   hits = np.array([1.0, 0, 0, 1, 1, 0, 0, 0])
-  assert ablations.ratio_se(hits, np.ones(8)) == pytest.approx(
+  assert stats.ratio_se(hits, np.ones(8))[1] == pytest.approx(
       math.sqrt(0.375 * 0.625 / 8 * 8 / 7))
+  assert np.isnan(stats.ratio_se([1.0], [2.0])[1]) and np.isnan(stats.ratio_se([0.0], [0.0])[0])
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from realm_jax import io_utils
 from realm_jax.checkpoints.export import pretraining_exports
 from realm_jax.configs.ablations import ABLATIONS, MINILM
 from realm_jax.eval import report
+from realm_jax.eval.stats import ratio_se
 from realm_jax.systems import open_qa
 
 SYSTEM = "finetuned"   # the fine-tuned retriever and reader (eval/report.py)
@@ -75,17 +75,6 @@ def finetune_config(config, variant: str, workdir: str) -> ml_collections.Config
 
 
 # --------------------------------------------------------------------------------- statistics
-def ratio_se(num: np.ndarray, den: np.ndarray) -> float:
-  """Standard error of sum(num) / sum(den) over independent units (sentences, questions): the
-  delta method, sqrt(E / (E - 1) * sum (num_e - r den_e)^2) / sum den_e."""
-  num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
-  e, total = len(num), den.sum()
-  if e < 2 or total <= 0:
-    return float("nan")
-  r = num.sum() / total
-  return math.sqrt(e / (e - 1) * float(np.sum((num - r * den) ** 2))) / total
-
-
 def paired_bootstrap(num_a, den_a, num_b, den_b, samples: int, seed: int = 0
                      ) -> tuple[float, float, float]:
   """(difference, 2.5th, 97.5th percentile) of sum(num_a)/sum(den_a) - sum(num_b)/sum(den_b),
@@ -209,10 +198,10 @@ def _pretrain_rows(config, workdir: str) -> dict:
     tokens = np.asarray(h["tokens"])
     row = {"step": h["step"], "sentences": len(tokens),
            "accuracy": float(np.sum(h["correct"]) / tokens.sum()),
-           "accuracy_se": ratio_se(h["correct"], tokens),
+           "accuracy_se": ratio_se(h["correct"], tokens)[1],
            "null_accuracy": float(np.sum(h["null_correct"]) / tokens.sum()),
            "utility": float(np.sum(h["utility"]) / tokens.sum()),
-           "utility_se": ratio_se(h["utility"], tokens),
+           "utility_se": ratio_se(h["utility"], tokens)[1],
            "span_in_candidates": float(np.mean(h["span_found"]))}
     if v == "default":
       base = h
@@ -241,8 +230,9 @@ def _finetune_rows(config, workdir: str) -> dict:
     correct = np.array([q["correct"] for q in p], np.float64)
     at5 = np.array([0 < q.get("first_hit", 0) <= 5 for q in p], np.float64)
     in_read = np.array([q["answer_in_read"] for q in p], np.float64)
-    rows[v] = {"questions": len(p), "em": 100 * correct.mean(), "em_se": 100 * ratio_se(correct, ones),
-               "recall_5": 100 * at5.mean(), "recall_5_se": 100 * ratio_se(at5, ones),
+    rows[v] = {"questions": len(p), "em": 100 * correct.mean(),
+               "em_se": 100 * ratio_se(correct, ones)[1],
+               "recall_5": 100 * at5.mean(), "recall_5_se": 100 * ratio_se(at5, ones)[1],
                "answer_in_read": 100 * in_read.mean(),
                # the reader alone: EM over the questions whose answer it was given
                "em_when_in_read": 100 * float(correct[in_read > 0].mean()) if in_read.any()

@@ -7,7 +7,7 @@ export reads its neighbours: RETRO + kNN-LM), and log p_kNN(y) from the k entrie
 context representation (models/knnlm.py). The held-out documents are cut in two halves by a hash
 of their title: on the dev half lambda (and the temperature, when several are given) is chosen
 from a grid by the interpolated perplexity; the test half gives the numbers reported: bits per
-byte and perplexity with standard errors over documents (eval/retro.ratio_se), and the paired
+byte and perplexity with standard errors over documents (eval/stats.ratio_se), and the paired
 difference interpolated - alone over the same documents.
 """
 
@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 from realm_jax import config_checks
 from realm_jax.checkpoints import retro_export
 from realm_jax.data.retro_batches import retro_batches
-from realm_jax.eval.retro import LN2, ratio_se
+from realm_jax.eval.retro import LN2
+from realm_jax.eval.stats import ratio_se
 from realm_jax.io_utils import atomic_write, write_json
 from realm_jax.models.knnlm import interpolate, knn_log_prob
 from realm_jax.models.retro import RetroModel, token_nll

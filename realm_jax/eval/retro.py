@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from realm_jax.checkpoints import retro_export
 from realm_jax.data.retro_batches import retro_batches
+from realm_jax.eval.stats import ratio_se
 from realm_jax.io_utils import atomic_write, write_json
 from realm_jax.models.retro import RetroModel, token_nll
 
@@ -68,17 +69,6 @@ def overlap_buckets(targets: np.ndarray, neighbours: np.ndarray, chunk_length: i
     out[lo:hi] = next(i for i, (a, b, _) in enumerate(BUCKETS)
                       if (r == 0 if b == 0 else a < r <= b))
   return out
-
-
-def ratio_se(num: np.ndarray, den: np.ndarray) -> tuple[float, float]:
-  """sum(num) / sum(den) over documents and its delta-method standard error."""
-  total = den.sum()
-  r = num.sum() / total
-  d = len(num)
-  if d < 2:
-    return float(r), float("nan")
-  resid = num - r * den
-  return float(r), float(math.sqrt(d / (d - 1) * (resid**2).sum()) / total)
 
 
 def _per_token_nll(config, params, db, retrieval: bool, batch_size: int):
