@@ -300,20 +300,100 @@ def test_finished_run_does_nothing_and_other_config_is_refused(data_dir, uninter
   assert code != 0 and "another config" in out and "max_masked" in out
 
 
+def _documents(n):
+  import itertools
+  from realm_jax.data.sources import documents
+  return [{"title": d["title"], "text": d["text"]}
+          for d in itertools.islice(documents("wiki_vital"), n)]
+
+
+def _write_jsonl(path, docs):
+  with open(path, "w") as f:
+    f.write("".join(json.dumps(d) + "\n" for d in docs))
+
+
+def _start_on_files(tmp_path_factory):
+  """A tiny run over 40 documents of a JSONL file, to step 4 (the corpus update test goes on)."""
+  root = tmp_path_factory.mktemp("on_files")
+  _write_jsonl(root / "docs.jsonl", _documents(40))
+  proc = run(str(root / "w"), str(root / "data"), "--config.corpus.source=jsonl",
+             f"--config.corpus.paths=('{root / 'docs.jsonl'}',)", "--config.num_steps=4",
+             wait=False)
+
+  def finish():
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return root
+  return [proc], finish
+
+
+EARLY["on_files"] = _start_on_files
+
+
+@pytest.fixture(scope="module")
+def on_files(request):
+  return started_early(request, _start_on_files)
+
+
 @pytest.mark.slow
-def test_a_run_over_other_blocks_is_refused(tmp_path, data_dir, uninterrupted):
-  """Its indexes name another corpus (its files changed, or a newer realm_jax cuts blocks
-  differently): continuing it would mix checkpoints and data of other blocks. (The copy resumes
-  with its own indexes, not those of the directory it was copied from.)"""
-  import shutil
-  workdir = tmp_path / "w"
-  shutil.copytree(uninterrupted, workdir)
-  for manifest in workdir.glob("index/index-*/manifest.json"):
-    manifest.write_text(json.dumps({**json.loads(manifest.read_text()),
-                                    "corpus_fingerprint": "0123456789ab"}))
-  code, out = run(str(workdir), data_dir, "--config.num_steps=8")
-  assert code != 0 and "holds a run over other blocks (corpus 0123456789ab, now" in out
-  assert "another --workdir" in out
+def test_a_corpus_update_is_embedded_alone_and_the_run_goes_on(on_files):
+  """Documents added (5), edited (2) and removed (2) between two parts of a run: resumed, it
+  embeds only the new and edited blocks with the checkpoint's weights, keeps every other row of
+  the index it resumed with, retrieves from the new blocks, and trains on as before on the
+  sentences of the corpus it started with."""
+  from realm_jax.configs import pretrain as pretrain_configs
+  from realm_jax.data.corpus import Corpus, CorpusConfig
+  from realm_jax.retrieval.index_store import index_path, latest_index_dir, read_arrays, read_manifest
+  from realm_jax.train.init import build_models
+  from realm_jax.train.refresh import DocumentEmbedder
+  from realm_jax.train.refresher import read_retriever_params
+  from realm_jax.text import BertTokenizer
+  root, workdir = on_files, str(on_files / "w")
+  index_root = os.path.join(workdir, "index")
+  assert complete_checkpoints(workdir)[-1] == 4
+  before = index_path(index_root, 3)  # the index the step-4 checkpoint trains with
+  old_emb, old_ids = read_arrays(before, read_manifest(before))
+  with open(os.path.join(workdir, "examples.json")) as f:
+    record = json.load(f)
+
+  docs = _documents(45)
+  changed = docs[:38] + docs[40:45]  # 2 removed, 5 added
+  for d in changed[:2]:
+    d["text"] += " It was edited later."
+  _write_jsonl(root / "docs.jsonl", changed)
+  code, out = run(workdir, str(root / "data"), "--config.corpus.source=jsonl",
+                  f"--config.corpus.paths=('{root / 'docs.jsonl'}',)", "--config.num_steps=6")
+  assert code == 0, out[-3000:]
+
+  config = pretrain_configs.get_config("tiny")
+  config.corpus.source, config.corpus.paths = "jsonl", (str(root / "docs.jsonl"),)
+  models, _, vocab = build_models(config)
+  corpus = Corpus.build(os.path.join(root, "data", "corpus"),
+                        CorpusConfig.from_config(config.corpus, vocab))
+  kept = np.isin(corpus.block_ids, old_ids)
+  new = np.flatnonzero(~kept)
+  # Each edited or added document is at least one new block; nothing else is embedded.
+  assert len(new) >= 7 and len(set(old_ids) - set(corpus.block_ids)) >= 4
+  assert (f"Corpus update: embedded {len(new)} new blocks, reused {int(kept.sum())} "
+          f"({len(old_ids) - int(kept.sum())} removed) of index-00000003") in out
+  updated = index_path(index_root, 4)
+  emb, ids = read_arrays(updated, read_manifest(updated))
+  np.testing.assert_array_equal(ids, corpus.block_ids)
+  assert read_manifest(updated)["corpus_fingerprint"] == corpus.fingerprint
+  old_row = {int(b): i for i, b in enumerate(old_ids)}
+  np.testing.assert_array_equal(  # reused as they were
+      emb[kept], old_emb[[old_row[int(b)] for b in corpus.block_ids[kept]]])
+  embedder = DocumentEmbedder(models, corpus, BertTokenizer(vocab), config.doc_length,
+                              config.index.embed_batch_size)
+  want = embedder(read_retriever_params(os.path.join(workdir, "checkpoints"), 4))
+  np.testing.assert_allclose(emb[new], want[new], atol=1e-5)  # the checkpoint's weights
+
+  # Trained on to step 6 over the new corpus, on the same sentences.
+  assert complete_checkpoints(workdir)[-1] == 6 and logged_steps(workdir)[-1] == 6
+  assert read_manifest(latest_index_dir(index_root))["corpus_fingerprint"] == corpus.fingerprint
+  with open(os.path.join(workdir, "examples.json")) as f:
+    assert json.load(f) == record and record["corpus_fingerprint"] != corpus.fingerprint
+  assert "trains on the sentences of the corpus it started with" in out
 
 
 def test_a_workdir_from_before_a_fixed_setting_existed_takes_its_old_value(tmp_path):

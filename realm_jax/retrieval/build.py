@@ -18,8 +18,8 @@ from realm_jax.retrieval.embed import embed_corpus
 from realm_jax.models.config import COMPUTE_DTYPES
 from realm_jax.retrieval.index import DocIndex, index_options
 from realm_jax.retrieval.index_store import (DTYPES, index_path, index_step,
-                                             latest_index_dir, publish_index, read_arrays,
-                                             read_manifest)
+                                             latest_index_dir, publish_index, read_manifest,
+                                             reusable_rows)
 from realm_jax.retrieval.searcher import SEARCHERS
 from realm_jax.retrieval.recall import evaluate_retrieval
 from realm_jax.retrieval.towers import load_towers
@@ -77,17 +77,6 @@ class _Rows:
     return self.corpus.model_inputs(self.rows[np.asarray(rows)], max_length, tokenizer, truncate)
 
 
-def _update_rows(corpus, previous: str, manifest: dict) -> tuple[np.ndarray, np.ndarray]:
-  """(old row of each corpus row, -1 for a block the previous index lacks; the previous index's
-  embeddings [M, D] float32). Blocks are matched by id: a block's id hashes its title and text,
-  so an unchanged block keeps it and an edited one gets a new one."""
-  old_emb, old_ids = read_arrays(previous, manifest)
-  order = np.argsort(old_ids, kind="stable")
-  pos = np.minimum(np.searchsorted(old_ids[order], corpus.block_ids), len(order) - 1)
-  found = old_ids[order][pos] == corpus.block_ids
-  return np.where(found, order[pos], -1), old_emb
-
-
 def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | None = None,
                 corpus_root: str | None = None):
   """Corpus + weights -> a published index in `workdir/index` (atomically: the newest one stays in
@@ -135,7 +124,7 @@ def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | 
       config.shard_size, config.batch_size, fingerprint=fp, in_slices=in_slices)
   step = 0
   if same_tower:  # an update of the published index: embed only what it lacks
-    old_rows, old_emb = _update_rows(corpus, previous, manifest)
+    old_rows, old_emb = reusable_rows(corpus.block_ids, previous, manifest)
     new = np.flatnonzero(old_rows < 0)
     emb = np.empty((len(corpus), old_emb.shape[1]), np.float32)
     kept = old_rows >= 0

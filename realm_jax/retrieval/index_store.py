@@ -137,6 +137,22 @@ def read_arrays(directory: str, manifest: dict) -> tuple[np.ndarray, np.ndarray]
     return read_all(rows), ids
 
 
+def reusable_rows(block_ids: np.ndarray, directory: str,
+                  manifest: dict) -> tuple[np.ndarray, np.ndarray]:
+  """What an index of another version of the corpus can lend one of `block_ids`: (the row of
+  `directory`'s index holding each block, -1 where it holds none [N]; its embeddings [M, D]).
+  Blocks are matched by id: a block's id hashes its title and text, so an unchanged block keeps
+  it and an edited one gets a new one."""
+  old_emb, old_ids = read_arrays(directory, manifest)
+  block_ids = np.asarray(block_ids, np.int64)
+  if not len(old_ids):
+    return np.full(len(block_ids), -1, np.int64), old_emb
+  order = np.argsort(old_ids, kind="stable")
+  pos = np.minimum(np.searchsorted(old_ids[order], block_ids), len(order) - 1)
+  found = old_ids[order][pos] == block_ids
+  return np.where(found, order[pos], -1), old_emb
+
+
 @contextlib.contextmanager
 def open_arrays(directory: str, manifest: dict) -> Iterator[tuple[HostRows, np.ndarray]]:
   """(embeddings [N, D] as `HostRows` read from the file a slice at a time, block ids [N]) of

@@ -34,12 +34,13 @@ from realm_jax.checkpoints.export import export_hf, pretraining_exports
 from realm_jax.train import loop, memory, optimizer
 from realm_jax.train.candidates import CandidateBuilder, retrieve
 from realm_jax.train.init import build_models, init_params, retriever_model_config
-from realm_jax.train.pretrain_workdir import FIXED_SETTINGS, check_workdir_corpus, open_data
+from realm_jax.train.pretrain_workdir import FIXED_SETTINGS, open_data
 from realm_jax.train.realm_step import eval_step, summarize, train_step
 from realm_jax.train.refresh import (REFRESH_MODES, AsyncIndexWatcher, DocumentEmbedder,
-                                     load_index, refresh)
+                                     load_index, refresh, update)
 from realm_jax.retrieval.index import index_options
-from realm_jax.retrieval.index_store import index_dirs, index_step, latest_index_dir, point_latest
+from realm_jax.retrieval.index_store import (index_dirs, index_step, latest_index_dir, point_latest,
+                                             read_manifest)
 
 
 class Trainer(loop.TrainLoop):
@@ -62,11 +63,10 @@ class Trainer(loop.TrainLoop):
     # written: a config refused for a typo must not become the workdir's and refuse the fixed one.
     self.models, self.model_config, vocab = build_models(config)
     self.vocab_file = vocab
-    corpus_fingerprint = CorpusConfig.from_config(config.corpus, vocab).fingerprint
+    CorpusConfig.from_config(config.corpus, vocab).fingerprint  # settings and files exist
     index_options(config.index)
     as_path(workdir).mkdir(parents=True, exist_ok=True)
     loop.check_workdir_config(config, workdir, FIXED_SETTINGS)
-    check_workdir_corpus(workdir, corpus_fingerprint)
     self.corpus, self.tokenizer, self.examples_dir = open_data(config, workdir, vocab)
     tok = self.tokenizer
     self.builder = CandidateBuilder(self.corpus, tok.cls_id, tok.sep_id, config.num_candidates,
@@ -132,15 +132,22 @@ class Trainer(loop.TrainLoop):
 
   def ensure_index(self, path: str | None):
     """Loads the index a checkpoint names, else the newest published, else builds the first one
-    from the current weights (ICT, MiniLM or random)."""
+    from the current weights (ICT, MiniLM or random). An index of another version of the corpus
+    (its files changed since) is brought up to date first: only new and edited blocks are
+    embedded, with the current weights (`refresh.update`)."""
     dim = self.embedder_dim()
     distributed.sync("realm_jax:ensure_index")  # every host sees the same published indexes
     if path:  # by its name in this run's index folder: a moved or copied workdir uses its own
       path = os.path.join(self.index_root, os.path.basename(path.rstrip("/")))
     path = path if path and as_path(path).is_dir() else latest_index_dir(self.index_root)
     if path is not None and index_step(path) <= int(self.state.step):
-      self._set_index(load_index(path, self.corpus, dim, self.index_options), path)
       self._go_on_from_index(path)
+      if read_manifest(path)["corpus_fingerprint"] != self.corpus.fingerprint:
+        self._set_index(*update(self.index_root, path, self.embedder,
+                                self.state.params["retriever"], int(self.state.step),
+                                self.index_options, **self._pruning()))
+      else:
+        self._set_index(load_index(path, self.corpus, dim, self.index_options), path)
     else:
       self._set_index(*refresh(self.index_root, self.embedder, self.state.params["retriever"],
                                int(self.state.step), self.index_options, **self._pruning()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -21,7 +22,8 @@ from realm_jax.io_utils import is_remote
 from realm_jax.retrieval.embed import embed_in_buckets
 from realm_jax.retrieval.index import DocIndex
 from realm_jax.retrieval.index_store import (index_path, index_step, latest_index_dir,
-                                             prune_indexes, publish_index, read_manifest)
+                                             prune_indexes, publish_index, read_manifest,
+                                             reusable_rows)
 from realm_jax.retrieval.towers import params_fingerprint
 
 REFRESH_MODES = ("sync", "async", "none")
@@ -38,16 +40,25 @@ class DocumentEmbedder:
     self._inputs = None
     self._tokenizer, self._doc_length, self._batch_size = tokenizer, doc_length, batch_size
 
-  def __call__(self, retriever_params) -> np.ndarray:
-    """[N, D] embeddings of every block, on every host. With several hosts each embeds its own
-    share of the blocks on its local devices, then the shares are gathered."""
-    n, hosts = len(self.corpus), jax.process_count()
-    share = -(-n // hosts)  # rows per host; the last host's share is padded with row n - 1
-    if self._inputs is None:  # laid out once: the corpus does not change under a run
-      rows = np.minimum(np.arange(share) + jax.process_index() * share, n - 1)
-      self._inputs = self.corpus.model_inputs(rows, self._doc_length, self._tokenizer)
-    emb = embed_in_buckets(lambda b: self._fn(retriever_params, b), self._inputs,
-                           self._batch_size, desc="refreshing index")
+  def __call__(self, retriever_params, rows: np.ndarray | None = None) -> np.ndarray:
+    """[N, D] embeddings of every block (or of the corpus rows `rows` [N]), on every host. With
+    several hosts each embeds its own share of the blocks on its local devices, then the shares
+    are gathered."""
+    whole = rows is None
+    rows = np.arange(len(self.corpus)) if whole else np.asarray(rows, np.int64)
+    n, hosts = len(rows), jax.process_count()
+    if n == 0:
+      return np.zeros((0, 0), np.float32)
+    share = -(-n // hosts)  # rows per host; the last host's share is padded with the last row
+    mine = rows[np.minimum(np.arange(share) + jax.process_index() * share, n - 1)]
+    if not whole:
+      inputs = self.corpus.model_inputs(mine, self._doc_length, self._tokenizer)
+    elif self._inputs is None:  # laid out once: the corpus does not change under a run
+      inputs = self._inputs = self.corpus.model_inputs(mine, self._doc_length, self._tokenizer)
+    else:
+      inputs = self._inputs
+    emb = embed_in_buckets(lambda b: self._fn(retriever_params, b), inputs,
+                           self._batch_size, desc="refreshing index" if whole else "new blocks")
     return distributed.allgather_rows(emb)[:n]
 
 
@@ -67,6 +78,36 @@ def refresh(root: str, embedder: DocumentEmbedder, retriever_params, step: int,
   """
   params = jax.device_get(retriever_params)
   emb = embedder(params)
+  return _publish(root, embedder, emb, params, step, index_options, keep, protect)
+
+
+def update(root: str, previous: str, embedder: DocumentEmbedder, retriever_params, step: int,
+           index_options: dict, keep: int = 0,
+           protect: Callable[[], Iterable[str]] = tuple) -> tuple[DocIndex, str]:
+  """The index `previous` (of another version of the corpus) brought to `embedder.corpus`: its
+  rows of unchanged blocks are kept (embedded by the weights that made it), new and edited blocks
+  are embedded with `retriever_params`, removed ones leave. Published as step `step` (replacing
+  an index of that step, atomically) and pruned as `refresh` does; says what it did."""
+  corpus = embedder.corpus
+  old_rows, old_emb = reusable_rows(corpus.block_ids, previous, read_manifest(previous))
+  new = np.flatnonzero(old_rows < 0)
+  kept = old_rows >= 0
+  params = jax.device_get(retriever_params)
+  emb = np.empty((len(corpus), old_emb.shape[1]), np.float32)
+  emb[kept] = old_emb[old_rows[kept]]
+  if len(new):
+    emb[new] = embedder(params, new)
+  removed = len(old_emb) - int(kept.sum())
+  index, path = _publish(root, embedder, emb, params, step, index_options, keep, protect)
+  message = (f"Corpus update: embedded {len(new):,} new blocks, reused {int(kept.sum()):,} "
+             f"({removed:,} removed) of {os.path.basename(previous)}; published as {path}.")
+  logging.info(message)
+  if jax.process_index() == 0:
+    print(message, flush=True)
+  return index, path
+
+
+def _publish(root, embedder, emb, params, step, index_options, keep, protect):
   index = DocIndex(emb, embedder.corpus.block_ids, **index_options)
   path = index_path(root, step)
   if jax.process_index() == 0:
