@@ -30,6 +30,7 @@ _SPLIT = flags.DEFINE_enum("split", "test", ["train", "dev", "test"], "Which par
 _SYSTEMS = flags.DEFINE_list("systems", list(report.SYSTEMS), "Systems to evaluate.")
 _RECALL_ONLY = flags.DEFINE_list("recall_only", [], "Systems evaluated for retrieval only (not read): faster.")
 _RETRIEVERS = flags.DEFINE_list("retrievers", [], "More systems: NAME=WEIGHTS, another retriever (an ICT or DPR export, any weights build_index.py takes) with an index of the same corpus (built once in <workdir>/retrievers/NAME), read by the same fine-tuned reader.")
+_PAIRED_WITH = flags.DEFINE_string("paired_with", "", "One of the systems: every other one's difference from it in EM and recall@k, question by question, with 95% paired bootstrap intervals (a second table; vs_NAME in results.json).")
 _LIMIT = flags.DEFINE_integer("limit", 0, "Only the first N questions (0 = all).")
 _DATASET = flags.DEFINE_string("dataset", "", "Instead of the config's split: all questions of NAME:SPLIT, e.g. curated_trec:test, web_questions:test, nq_open:dev.")
 _DATASET_DIR = flags.DEFINE_string("dataset_dir", "", "Local folder holding --dataset's file (\"\" = download with TFDS).")
@@ -45,6 +46,7 @@ def main(argv):
     raise ValueError(f"--limit={_LIMIT.value}: pass a number of questions >= 1, or 0 for all.")
   retrievers = report.parse_retrievers(_RETRIEVERS.value)
   report.check_systems(_SYSTEMS.value, [r for r in _RECALL_ONLY.value if r not in retrievers])
+  report.check_paired_with(_PAIRED_WITH.value, [*_SYSTEMS.value, *retrievers])
   for name, weights in retrievers.items():  # a missing directory fails before anything loads
     resolve(weights, flag=f"--retrievers={name}")
   config = open_qa.apply_init(_CONFIG.value or open_qa.load_workdir_config(workdir))
@@ -71,7 +73,8 @@ def main(argv):
   setup = open_qa.QaSetup(config, workdir, build_missing=False)
   ks = tuple(config.ks)
   results = report.evaluate_systems(setup, questions, _SYSTEMS.value, ks, out_dir,
-                                    recall_only=_RECALL_ONLY.value, retrievers=retrievers)
+                                    recall_only=_RECALL_ONLY.value, retrievers=retrievers,
+                                    paired_with=_PAIRED_WITH.value)
   print(f"{part}: {len(questions)} questions; predictions and results.json in {out_dir}")
   print(report.format_table(results, ks))
 

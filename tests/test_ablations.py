@@ -25,7 +25,7 @@ def test_paired_bootstrap_equals_a_plain_loop_over_the_same_draws():
   tokens = rng.integers(1, 4, n).astype(float)
   a = np.minimum(tokens, rng.integers(0, 4, n))
   b = np.minimum(tokens, rng.integers(0, 3, n))
-  diff, low, high = ablations.paired_bootstrap(a, tokens, b, tokens, samples=2500, seed=3)
+  diff, low, high = stats.paired_bootstrap(a, tokens, b, tokens, samples=2500, seed=3)
   draws = np.random.default_rng(3)
   want = []
   for lo in range(0, 2500, 1000):  # the same chunks of index draws
@@ -38,7 +38,7 @@ def test_paired_bootstrap_equals_a_plain_loop_over_the_same_draws():
       np.percentile(want, 97.5))
   assert low < diff < high
   # Identical systems differ by exactly nothing in every resample.
-  assert ablations.paired_bootstrap(a, tokens, a, tokens, 100) == (0.0, 0.0, 0.0)
+  assert stats.paired_bootstrap(a, tokens, a, tokens, 100) == (0.0, 0.0, 0.0)
 
 
 def test_ratio_standard_error_by_hand():

@@ -152,3 +152,22 @@ def test_a_writable_output_directory_is_made_and_left_empty(tmp_path):
   from realm_jax.eval.report import check_writable
   check_writable(str(tmp_path / "eval" / "test"))
   assert list((tmp_path / "eval" / "test").iterdir()) == []
+
+
+def test_paired_differences_by_hand():
+  """Two systems on four questions: recall@k from the rank of the first hit, EM from `correct`;
+  the difference is the difference of the two systems' figures, and a system identical to the
+  base differs by exactly nothing in every resample."""
+  from realm_jax.eval import report
+  per_question = {"a": (np.array([1.0, 0, 0, 1]), np.array([1, 3, 0, 2])),
+                  "b": (np.array([0.0, 0, 1, 1]), np.array([2, 0, 0, 6])),
+                  "recall_only": (None, np.array([1, 3, 0, 2]))}
+  d = report.paired_differences(per_question, "a", ks=(1, 2, 5), samples=500)
+  assert set(d) == {"b", "recall_only"}
+  # a: recall@1 1/4, @2 2/4, @5 3/4; b: 0, 1/4, 1/4; EM both 2/4.
+  assert [d["b"]["recall"][k][0] for k in (1, 2, 5)] == pytest.approx([-25.0, -25.0, -50.0])
+  assert d["b"]["em"][0] == pytest.approx(0.0) and d["b"]["em"][1] < 0 < d["b"]["em"][2]
+  assert d["recall_only"]["em"] is None
+  assert all(d["recall_only"]["recall"][k] == (0.0, 0.0, 0.0) for k in (1, 2, 5))
+  with pytest.raises(ValueError, match="--paired_with=c: it must be one of"):
+    report.check_paired_with("c", ["a", "b"])

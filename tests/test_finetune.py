@@ -220,7 +220,7 @@ def test_evaluate_systems_against_independent_computation(run, tmp_path):
   questions = open_qa.split_questions(config)["test"][:12]
   ks = (1, 2, 5)
   results = report.evaluate_systems(setup, questions, ks=ks, out_dir=str(tmp_path),
-                                    progress=False)
+                                    progress=False, paired_with="dense_untuned")
   assert set(results) == set(report.SYSTEMS)
   corpus, table = setup.corpus, setup.table
   texts = [setup.batcher.block(r)["text"] for r in range(len(corpus))]
@@ -258,6 +258,18 @@ def test_evaluate_systems_against_independent_computation(run, tmp_path):
   saved = json.loads(open(tmp_path / "results.json").read())
   assert saved["bm25"]["em"] == pytest.approx(results["bm25"]["em"])
   assert "| finetuned |" in report.format_table(results, ks)
+  # Each system minus dense_untuned, question by question: the differences of the figures above.
+  assert "vs_dense_untuned" not in results["dense_untuned"]
+  for name in ("finetuned", "bm25"):
+    d = results[name]["vs_dense_untuned"]
+    assert d["em"][0] == pytest.approx(results[name]["em"] - results["dense_untuned"]["em"])
+    for k in ks:
+      diff, low, high = d["recall"][k]
+      assert diff == pytest.approx(results[name]["recall"][k]
+                                   - results["dense_untuned"]["recall"][k])
+      assert low <= diff + 1e-9 and diff <= high + 1e-9
+    assert saved[name]["vs_dense_untuned"]["em"] == pytest.approx(list(d["em"]))
+  assert "| bm25 | dense_untuned |" in report.format_table(results, ks)
 
 
 @pytest.mark.slow

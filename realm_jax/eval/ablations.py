@@ -35,7 +35,7 @@ from realm_jax import io_utils
 from realm_jax.checkpoints.export import pretraining_exports
 from realm_jax.configs.ablations import ABLATIONS, MINILM
 from realm_jax.eval import report
-from realm_jax.eval.stats import ratio_se
+from realm_jax.eval.stats import paired_bootstrap, ratio_se
 from realm_jax.systems import open_qa
 
 SYSTEM = "finetuned"   # the fine-tuned retriever and reader (eval/report.py)
@@ -72,27 +72,6 @@ def finetune_config(config, variant: str, workdir: str) -> ml_collections.Config
   if variant != MINILM:
     c.init = os.path.join(workdir, f"pretrain-{variant}")
   return c
-
-
-# --------------------------------------------------------------------------------- statistics
-def paired_bootstrap(num_a, den_a, num_b, den_b, samples: int, seed: int = 0
-                     ) -> tuple[float, float, float]:
-  """(difference, 2.5th, 97.5th percentile) of sum(num_a)/sum(den_a) - sum(num_b)/sum(den_b),
-  resampling the units (index i of all four arrays: the same sentence or question) together."""
-  arrays = [np.asarray(x, np.float64) for x in (num_a, den_a, num_b, den_b)]
-  n = len(arrays[0])
-  if any(len(x) != n for x in arrays) or n == 0:
-    raise ValueError("paired_bootstrap needs four arrays of the same non-zero length.")
-  ratio = lambda num, den: num / np.maximum(den, 1e-12)
-  diff = ratio(arrays[0].sum(), arrays[1].sum()) - ratio(arrays[2].sum(), arrays[3].sum())
-  rng = np.random.default_rng(seed)
-  diffs = np.empty(samples)
-  for lo in range(0, samples, 1000):  # [chunk, n] index draws at a time
-    idx = rng.integers(0, n, size=(min(1000, samples - lo), n))
-    s = [x[idx].sum(-1) for x in arrays]
-    diffs[lo:lo + len(idx)] = ratio(s[0], s[1]) - ratio(s[2], s[3])
-  low, high = np.percentile(diffs, [2.5, 97.5])
-  return float(diff), float(low), float(high)
 
 
 # ---------------------------------------------------------------------------------- the runs

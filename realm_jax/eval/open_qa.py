@@ -40,11 +40,11 @@ def evaluate_open_qa(qa: OpenQa, questions: Sequence[dict], *, ks: Sequence[int]
   """EM and recall@k of `qa` on questions; `bm25` (a BM25Index over the corpus rows) replaces the
   dense retriever (the BM25 + same reader baseline).
 
-  Returns {"em": %, "recall": {k: %}, "count", "seconds", "predictions": [...]}, each prediction
-  with the gold `answers`, `correct`, `answer_in_read` (an answer occurs in a read block) and
-  `first_hit` (the rank of the first retrieved block holding an answer, 1-based; 0: none of the
-  max(ks, reader_blocks) retrieved: recall@k of a question is 0 < first_hit <= k).
-  read=False: retrieval only (em None, no predictions).
+  Returns {"em": %, "recall": {k: %}, "count", "seconds", "first_hit": [N], "predictions": [...]},
+  `first_hit` the rank of each question's first retrieved block holding an answer (1-based; 0: none
+  of the max(ks, reader_blocks) retrieved: recall@k of a question is 0 < first_hit <= k), each
+  prediction with the gold `answers`, `correct`, `answer_in_read` (an answer occurs in a read
+  block) and its `first_hit`. read=False: retrieval only (em None, no predictions).
   """
   from tqdm.auto import tqdm
   check_ks(ks, len(qa.corpus))
@@ -63,9 +63,10 @@ def evaluate_open_qa(qa: OpenQa, questions: Sequence[dict], *, ks: Sequence[int]
     answers, kind = answers_of(q)
     for j, r in enumerate(rows[i]):
       hits[i, j] = r >= 0 and qa.batcher.has_answer(r, answers, kind)
+  first_hit = np.where(hits.any(1), hits.argmax(1) + 1, 0)
   if not read:
     return {"em": None, "recall": recall_at_k(hits, ks), "count": len(questions),
-            "seconds": time.perf_counter() - start, "predictions": []}
+            "seconds": time.perf_counter() - start, "first_hit": first_hit, "predictions": []}
   preds = []
   for lo in tqdm(range(0, len(texts), qa.batch_size), desc="reading", disable=not progress):
     preds += qa.read(texts[lo:lo + qa.batch_size], rows[lo:lo + qa.batch_size])
@@ -74,9 +75,9 @@ def evaluate_open_qa(qa: OpenQa, questions: Sequence[dict], *, ks: Sequence[int]
     p["answers"] = answers_of(q)[0]
     p["correct"] = bool(is_correct(p["answer"], q))
     p["answer_in_read"] = bool(hits[i, :qa.reader_blocks].any())
-    p["first_hit"] = int(np.argmax(hits[i])) + 1 if hits[i].any() else 0  # rank; 0: none
+    p["first_hit"] = int(first_hit[i])
     p["retrieved"] = [int(b) for b in qa.corpus.block_ids[rows[i][rows[i] >= 0]]]
     correct += p["correct"]
   n = max(len(questions), 1)
   return {"em": 100.0 * correct / n, "recall": recall_at_k(hits, ks), "count": len(questions),
-          "seconds": time.perf_counter() - start, "predictions": preds}
+          "seconds": time.perf_counter() - start, "first_hit": first_hit, "predictions": preds}

@@ -7,6 +7,9 @@ Systems, all on the same questions and the same frozen index:
   bm25             BM25 (k1 0.9, b 0.4) over title + text retrieves, the same reader reads.
 Each gets EM (regex match for CuratedTREC) and retriever recall@k; predictions are written as
 JSONL (question, gold answers, answer, score, correct, evidence blocks with title and text span).
+With `paired_with`, each system's difference from that one, question by question (paired
+bootstrap intervals: the systems answer the same questions, so the differences are tighter
+than the two standard errors suggest).
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ import math
 import os
 import uuid
 
+import numpy as np
+
 from realm_jax import io_utils
 from realm_jax.eval.open_qa import evaluate_open_qa
+from realm_jax.eval.stats import paired_bootstrap
 from realm_jax.retrieval.bm25 import BM25Index, corpus_bm25
 
 SYSTEMS = ("finetuned", "dense_untuned", "bm25")
@@ -87,22 +93,25 @@ def standard_error(percent: float, count: int) -> float:
 
 def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: str | None = None,
                      params=None, progress: bool = True, recall_only=(),
-                     retrievers: dict[str, str] | None = None) -> dict:
+                     retrievers: dict[str, str] | None = None, paired_with: str = "",
+                     bootstrap_samples: int = 10000) -> dict:
   """{system: {"em", "recall": {k: %}, "count", "seconds"}} on `questions`; predictions and a
   results.json go to `out_dir` when given (an `out_dir` that cannot be written fails first).
   `params`: the fine-tuned parameters (default: the best checkpoint of the workdir). Systems in
   `recall_only` are not read (em None): reading is what takes the time on a CPU. `retrievers`:
   {name: weights} of more systems, each another retriever (its question tower and an index of
-  the same corpus it builds once) read by the same fine-tuned reader."""
+  the same corpus it builds once) read by the same fine-tuned reader. `paired_with`: one of the
+  systems; every other one gets `vs_<it>` (`paired_differences`)."""
   retrievers = dict(retrievers or {})
   check_systems(systems, [r for r in recall_only if r not in retrievers])
+  check_paired_with(paired_with, [*systems, *retrievers])
   if out_dir:
     check_writable(out_dir)
   if params is None:
     params, meta = setup.best_params()
     logging.info("Fine-tuned model: %s", meta)
   untuned = {"query_tower": setup.init_params["query_tower"], "reader": params["reader"]}
-  results = {}
+  results, per_question = {}, {}
   for name in [*systems, *retrievers]:
     if name in retrievers:
       system = setup.retriever_system(name, retrievers[name], params["reader"])
@@ -119,9 +128,43 @@ def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: 
                  got["count"], got["seconds"])
     if out_dir and read:
       write_jsonl(os.path.join(out_dir, f"predictions-{name}.jsonl"), got["predictions"])
+    per_question[name] = (None if not read else
+                          np.array([p["correct"] for p in got["predictions"]], np.float64),
+                          np.asarray(got["first_hit"]))
+  if paired_with:
+    for name, diffs in paired_differences(per_question, paired_with, ks,
+                                          bootstrap_samples).items():
+      results[name][f"vs_{paired_with}"] = diffs
   if out_dir:
     io_utils.write_json(os.path.join(out_dir, "results.json"), results)
   return results
+
+
+def check_paired_with(paired_with: str, systems) -> None:
+  if paired_with and paired_with not in systems:
+    raise ValueError(f"--paired_with={paired_with}: it must be one of the systems evaluated "
+                     f"({', '.join(systems)}).")
+
+
+def paired_differences(per_question: dict, base: str, ks=(1, 5, 20), samples: int = 10000,
+                       seed: int = 0) -> dict:
+  """{system: {"em": (difference, low, high) or None, "recall": {k: (...)}}}: each system minus
+  `base` in points, over the same questions, with 95% paired bootstrap intervals.
+  `per_question`: {system: (correct [N] or None when not read, first_hit [N])}."""
+  base_correct, base_first = per_question[base]
+  ones = np.ones(len(base_first))
+  hits = lambda first, k: ((first > 0) & (first <= k)).astype(np.float64)
+  points = lambda d: tuple(100.0 * x for x in d)
+  out = {}
+  for name, (correct, first) in per_question.items():
+    if name == base:
+      continue
+    em = None
+    if correct is not None and base_correct is not None:
+      em = points(paired_bootstrap(correct, ones, base_correct, ones, samples, seed))
+    out[name] = {"em": em, "recall": {k: points(paired_bootstrap(
+        hits(first, k), ones, hits(base_first, k), ones, samples, seed)) for k in ks}}
+  return out
 
 
 def format_table(results: dict, ks=(1, 5, 20)) -> str:
@@ -134,4 +177,13 @@ def format_table(results: dict, ks=(1, 5, 20)) -> str:
     recall = " | ".join(se(r["recall"][k], errors.get(k)) for k in ks)
     em = "-" if r["em"] is None else se(r["em"], r.get("em_se"))
     lines.append(f"| {name} | {r['count']} | {em} | {recall} |")
+  paired = [(name, key.removeprefix("vs_"), r[key]) for name, r in results.items()
+            for key in r if key.startswith("vs_")]
+  if paired:
+    ci = lambda d: "-" if d is None else f"{d[0]:+.1f} [{d[1]:+.1f}, {d[2]:+.1f}]"
+    lines += ["", "| system | minus | EM | " + " | ".join(f"R@{k}" for k in ks) + " |",
+              "|" + "---|" * (3 + len(ks))]
+    for name, base, d in paired:
+      recall = " | ".join(ci(d["recall"][k]) for k in ks)
+      lines.append(f"| {name} | {base} | {ci(d['em'])} | {recall} |")
   return "\n".join(lines)
