@@ -23,6 +23,7 @@ from realm_jax.checkpoints import resolve
 from realm_jax.data.qa import load_questions
 from realm_jax.eval import report
 from realm_jax.systems import open_qa
+from realm_jax.train import finetune
 
 _CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/finetune.py:<variant>); default: the workdir's config.json.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory of a fine-tuning run.")
@@ -50,6 +51,8 @@ def main(argv):
   for name, weights in retrievers.items():  # a missing directory fails before anything loads
     resolve(weights, flag=f"--retrievers={name}")
   config = open_qa.apply_init(_CONFIG.value or open_qa.load_workdir_config(workdir))
+  if _CONFIG.value:  # the run's own settings, or a clear error naming those that differ
+    finetune.check_evaluated_config(config, workdir)
   # Refused before the questions, the index and the models are loaded: a work directory without
   # a fine-tuned model (first: check_writable would create a misspelt --workdir), and an eval/
   # that cannot be written.

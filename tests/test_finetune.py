@@ -299,18 +299,33 @@ def test_a_workdir_keeps_its_reader_layout(tmp_path):
   off, as is another reader_length, score scale, question length or number of gold spans."""
   from realm_jax.train.loop import check_workdir_config
   config = get_config("wiki_vital")
-  check_workdir_config(config, str(tmp_path), finetune._FIXED)
+  check_workdir_config(config, str(tmp_path), finetune.FIXED_SETTINGS)
   saved = json.loads((tmp_path / "config.json").read_text())
   del saved["reader_title"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
-  check_workdir_config(config, str(tmp_path), finetune._FIXED)
+  check_workdir_config(config, str(tmp_path), finetune.FIXED_SETTINGS)
   for key, value in (("reader_title", False), ("reader_length", 320), ("score_scale", 1.0),
                      ("question_length", 16), ("max_answer_spans", 2)):
     (tmp_path / "config.json").write_text(json.dumps(saved))
     other = get_config("wiki_vital")
     other[key] = value
     with pytest.raises(ValueError, match=rf"another config \({key} differ"):
-      check_workdir_config(other, str(tmp_path), finetune._FIXED)
+      check_workdir_config(other, str(tmp_path), finetune.FIXED_SETTINGS)
+
+
+def test_evaluating_with_another_config_names_each_setting_that_differs(tmp_path):
+  """evaluate.py --flagfile=<the MiniLM run's flags> on a run fine-tuned from a DPR export: the
+  index was embedded by the DPR tower, so this is refused before anything loads, naming the
+  nested setting, both values, and the way out (the work directory's own config.json)."""
+  config = get_config("wiki_vital")
+  config.retrieval.weights = "work/dpr_wiki_vital/export"
+  (tmp_path / "config.json").write_text(config.to_json())
+  finetune.check_evaluated_config(config, str(tmp_path))  # the same settings: fine
+  finetune.check_evaluated_config(config, str(tmp_path / "not_a_run"))  # check_best's to say
+  with pytest.raises(ValueError) as e:
+    finetune.check_evaluated_config(get_config("wiki_vital"), str(tmp_path))
+  assert ("--config.retrieval.weights='minilm' here, 'work/dpr_wiki_vital/export' there"
+          in str(e.value)) and "leave out --config and --flagfile" in str(e.value)
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ Single host: the batch is sharded over this host's devices.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 
@@ -31,7 +32,7 @@ import orbax.checkpoint as ocp
 from realm_jax import config_checks
 from realm_jax.data.corpus import CorpusConfig
 from realm_jax.eval.open_qa import check_ks, evaluate_open_qa
-from realm_jax.io_utils import as_path
+from realm_jax.io_utils import as_path, read_json
 from realm_jax.retrieval import build
 from realm_jax.retrieval.index import index_options
 from realm_jax.checkpoints import training as checkpoints
@@ -41,10 +42,32 @@ from realm_jax.train.qa_step import qa_train_step, summarize_qa
 
 # Settings a resumed run must keep: the shapes of parameters, the questions and their splits,
 # what the reader and retriever read and how their scores are scaled.
-_FIXED = ("retrieval", "reader_weights", "reader_layers", "span_hidden_size", "max_span_width",
+FIXED_SETTINGS = ("retrieval", "reader_weights", "reader_layers", "span_hidden_size", "max_span_width",
           "data", "reader_title", "reader_length", "score_scale", "question_length",
           "max_answer_spans")
 NO_BEST = {"dev_em": -1.0, "dev_recall": -1.0, "step": -1}
+
+
+def check_evaluated_config(config, workdir: str) -> None:
+  """Refuses a config given on the command line to evaluate (or ask) a work directory whose run
+  was fine-tuned with other `FIXED_SETTINGS` (another retriever's index, reader, questions):
+  names each setting that differs, both values, and what to do."""
+  path = os.path.join(workdir, "config.json")
+  if not as_path(path).exists():
+    return  # not a fine-tuning work directory: check_best says so
+  old, new = read_json(path), json.loads(config.to_json())
+  diff = []
+  for key, was, now in loop.config_diff(old, new, FIXED_SETTINGS):
+    if isinstance(was, dict) and isinstance(now, dict):  # (a key the run predates: its default)
+      diff += [(f"{key}.{k}", was[k], now.get(k)) for k in sorted(was)
+               if was[k] != now.get(k)]
+    else:
+      diff.append((key, was, now))
+  if diff:
+    settings = "; ".join(f"--config.{k}={now!r} here, {was!r} there" for k, was, now in diff)
+    raise ValueError(
+        f"{workdir} was fine-tuned with another config ({settings}): leave out --config and "
+        f"--flagfile to use {path}, or pass the settings it was made with.")
 
 
 def dev_key(dev: dict) -> tuple[float, float]:
@@ -130,7 +153,7 @@ class QaTrainer(loop.TrainLoop):
     _ = CorpusConfig.from_config(config.retrieval.corpus,
                                  towers["document"].tokenizer.vocab_file).fingerprint
     as_path(workdir).mkdir(parents=True, exist_ok=True)
-    loop.check_workdir_config(config, workdir, _FIXED)
+    loop.check_workdir_config(config, workdir, FIXED_SETTINGS)
     self.setup = QaSetup(config, workdir, towers=towers, reader=reader)
     # Also checked before the embedding when the index is built here (open_index).
     build.check_corpus_size(self.setup.corpus, {"--config.beam": config.beam})
