@@ -19,7 +19,7 @@ from realm_jax.models.config import COMPUTE_DTYPES
 from realm_jax.retrieval.index import DocIndex, index_options
 from realm_jax.retrieval.index_store import (DTYPES, index_path, index_step,
                                              latest_index_dir, publish_index, read_manifest,
-                                             reusable_rows)
+                                             updated_rows)
 from realm_jax.retrieval.searcher import SEARCHERS
 from realm_jax.retrieval.recall import evaluate_retrieval
 from realm_jax.retrieval.towers import load_towers
@@ -124,18 +124,11 @@ def build_index(config, workdir: str, towers=None, min_blocks: dict[str, int] | 
       config.shard_size, config.batch_size, fingerprint=fp, in_slices=in_slices)
   step = 0
   if same_tower:  # an update of the published index: embed only what it lacks
-    old_rows, old_emb = reusable_rows(corpus.block_ids, previous, manifest)
-    new = np.flatnonzero(old_rows < 0)
-    emb = np.empty((len(corpus), old_emb.shape[1]), np.float32)
-    kept = old_rows >= 0
-    emb[kept] = old_emb[old_rows[kept]]
-    if len(new):
-      emb[new] = embed(_Rows(corpus, new), f"{out_dir}-update",
-                       f"{fingerprint}|new blocks since {manifest['save_id']}")
+    emb, done = updated_rows(corpus.block_ids, previous, manifest, lambda new: embed(
+        _Rows(corpus, new), f"{out_dir}-update",
+        f"{fingerprint}|new blocks since {manifest['save_id']}"))
     step = index_step(previous) + 1
-    removed = manifest["count"] - int(kept.sum())
-    message = (f"Corpus update: embedded {len(new):,} new blocks, reused {int(kept.sum()):,} "
-               f"({removed:,} removed); publishing it as version {step} of {root}.")
+    message = f"Corpus update: {done}; publishing it as version {step} of {root}."
     logging.info(message)
     print(message)
   else:  # the shard files, read into the index a slice at a time

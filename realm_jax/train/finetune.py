@@ -49,25 +49,30 @@ NO_BEST = {"dev_em": -1.0, "dev_recall": -1.0, "step": -1}
 
 
 def check_evaluated_config(config, workdir: str) -> None:
-  """Refuses a config given on the command line to evaluate (or ask) a work directory whose run
+  """Refuses a config given on the command line to evaluate a work directory whose run
   was fine-tuned with other `FIXED_SETTINGS` (another retriever's index, reader, questions):
   names each setting that differs, both values, and what to do."""
   path = os.path.join(workdir, "config.json")
   if not as_path(path).exists():
     return  # not a fine-tuning work directory: check_best says so
-  old, new = read_json(path), json.loads(config.to_json())
-  diff = []
-  for key, was, now in loop.config_diff(old, new, FIXED_SETTINGS):
-    if isinstance(was, dict) and isinstance(now, dict):  # (a key the run predates: its default)
-      diff += [(f"{key}.{k}", was[k], now.get(k)) for k in sorted(was)
-               if was[k] != now.get(k)]
-    else:
-      diff.append((key, was, now))
+  # A setting the run predates: its loop.ADDED_SETTINGS value, or (nested) left out.
+  old = _leaves({**loop.ADDED_SETTINGS, **read_json(path)})
+  new = _leaves(json.loads(config.to_json()))
+  diff = [(k, was, new.get(k)) for k, was in old.items()
+          if k.split(".")[0] in FIXED_SETTINGS and was != new.get(k)]
   if diff:
     settings = "; ".join(f"--config.{k}={now!r} here, {was!r} there" for k, was, now in diff)
     raise ValueError(
         f"{workdir} was fine-tuned with another config ({settings}): leave out --config and "
         f"--flagfile to use {path}, or pass the settings it was made with.")
+
+
+def _leaves(config: dict, prefix: str = "") -> dict:
+  """{"retrieval.index.dtype": value, ...}: a config as JSON, one entry per setting."""
+  out = {}
+  for k, v in config.items():
+    out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
 
 
 def dev_key(dev: dict) -> tuple[float, float]:

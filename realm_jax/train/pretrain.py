@@ -63,7 +63,7 @@ class Trainer(loop.TrainLoop):
     # written: a config refused for a typo must not become the workdir's and refuse the fixed one.
     self.models, self.model_config, vocab = build_models(config)
     self.vocab_file = vocab
-    CorpusConfig.from_config(config.corpus, vocab).fingerprint  # settings and files exist
+    _ = CorpusConfig.from_config(config.corpus, vocab).fingerprint  # settings; files exist
     index_options(config.index)
     as_path(workdir).mkdir(parents=True, exist_ok=True)
     loop.check_workdir_config(config, workdir, FIXED_SETTINGS)
@@ -141,13 +141,15 @@ class Trainer(loop.TrainLoop):
       path = os.path.join(self.index_root, os.path.basename(path.rstrip("/")))
     path = path if path and as_path(path).is_dir() else latest_index_dir(self.index_root)
     if path is not None and index_step(path) <= int(self.state.step):
-      self._go_on_from_index(path)
-      if read_manifest(path)["corpus_fingerprint"] != self.corpus.fingerprint:
-        self._set_index(*update(self.index_root, path, self.embedder,
+      manifest = read_manifest(path)
+      if manifest["corpus_fingerprint"] == self.corpus.fingerprint:
+        self._set_index(load_index(path, self.corpus, dim, self.index_options), path)
+        self._go_on_from_index(path)
+      else:  # LATEST back at `path` first: the update is then published as the newest index
+        self._go_on_from_index(path)
+        self._set_index(*update(self.index_root, path, manifest, self.embedder,
                                 self.state.params["retriever"], int(self.state.step),
                                 self.index_options, **self._pruning()))
-      else:
-        self._set_index(load_index(path, self.corpus, dim, self.index_options), path)
     else:
       self._set_index(*refresh(self.index_root, self.embedder, self.state.params["retriever"],
                                int(self.state.step), self.index_options, **self._pruning()))

@@ -23,7 +23,7 @@ from realm_jax.retrieval.embed import embed_in_buckets
 from realm_jax.retrieval.index import DocIndex
 from realm_jax.retrieval.index_store import (index_path, index_step, latest_index_dir,
                                              prune_indexes, publish_index, read_manifest,
-                                             reusable_rows)
+                                             updated_rows)
 from realm_jax.retrieval.towers import params_fingerprint
 
 REFRESH_MODES = ("sync", "async", "none")
@@ -41,25 +41,26 @@ class DocumentEmbedder:
     self._tokenizer, self._doc_length, self._batch_size = tokenizer, doc_length, batch_size
 
   def __call__(self, retriever_params, rows: np.ndarray | None = None) -> np.ndarray:
-    """[N, D] embeddings of every block (or of the corpus rows `rows` [N]), on every host. With
+    """[N, D] embeddings of every block (or of the N corpus rows `rows`), on every host. With
     several hosts each embeds its own share of the blocks on its local devices, then the shares
     are gathered."""
-    whole = rows is None
-    rows = np.arange(len(self.corpus)) if whole else np.asarray(rows, np.int64)
-    n, hosts = len(rows), jax.process_count()
-    if n == 0:
-      return np.zeros((0, 0), np.float32)
-    share = -(-n // hosts)  # rows per host; the last host's share is padded with the last row
-    mine = rows[np.minimum(np.arange(share) + jax.process_index() * share, n - 1)]
-    if not whole:
-      inputs = self.corpus.model_inputs(mine, self._doc_length, self._tokenizer)
-    elif self._inputs is None:  # laid out once: the corpus does not change under a run
-      inputs = self._inputs = self.corpus.model_inputs(mine, self._doc_length, self._tokenizer)
-    else:
+    if rows is None:
+      n = len(self.corpus)
+      if self._inputs is None:  # laid out once: the corpus does not change under a run
+        self._inputs = self._host_inputs(np.arange(n))
       inputs = self._inputs
-    emb = embed_in_buckets(lambda b: self._fn(retriever_params, b), inputs,
-                           self._batch_size, desc="refreshing index" if whole else "new blocks")
+    else:
+      n, inputs = len(rows), self._host_inputs(np.asarray(rows, np.int64))
+    emb = embed_in_buckets(lambda b: self._fn(retriever_params, b), inputs, self._batch_size,
+                           desc="refreshing index" if rows is None else "new blocks")
     return distributed.allgather_rows(emb)[:n]
+
+  def _host_inputs(self, rows: np.ndarray) -> dict:
+    """Model inputs of this host's share of `rows` (the last host's share is padded with the last
+    row)."""
+    share = -(-len(rows) // jax.process_count())
+    mine = np.minimum(np.arange(share) + jax.process_index() * share, len(rows) - 1)
+    return self.corpus.model_inputs(rows[mine], self._doc_length, self._tokenizer)
 
 
 def index_fingerprint(retriever_params) -> str:
@@ -81,26 +82,19 @@ def refresh(root: str, embedder: DocumentEmbedder, retriever_params, step: int,
   return _publish(root, embedder, emb, params, step, index_options, keep, protect)
 
 
-def update(root: str, previous: str, embedder: DocumentEmbedder, retriever_params, step: int,
-           index_options: dict, keep: int = 0,
+def update(root: str, previous: str, manifest: dict, embedder: DocumentEmbedder, retriever_params,
+           step: int, index_options: dict, keep: int = 0,
            protect: Callable[[], Iterable[str]] = tuple) -> tuple[DocIndex, str]:
-  """The index `previous` (of another version of the corpus) brought to `embedder.corpus`: its
-  rows of unchanged blocks are kept (embedded by the weights that made it), new and edited blocks
-  are embedded with `retriever_params`, removed ones leave. Published as step `step` (replacing
-  an index of that step, atomically) and pruned as `refresh` does; says what it did."""
-  corpus = embedder.corpus
-  old_rows, old_emb = reusable_rows(corpus.block_ids, previous, read_manifest(previous))
-  new = np.flatnonzero(old_rows < 0)
-  kept = old_rows >= 0
+  """The index `previous` (its `manifest`; of another version of the corpus) brought to
+  `embedder.corpus`: its rows of unchanged blocks are kept (embedded by the weights that made
+  it), new and edited blocks are embedded with `retriever_params`, removed ones leave
+  (`index_store.updated_rows`). Published as step `step` (replacing an index of that step,
+  atomically) and pruned as `refresh` does; says what it did."""
   params = jax.device_get(retriever_params)
-  emb = np.empty((len(corpus), old_emb.shape[1]), np.float32)
-  emb[kept] = old_emb[old_rows[kept]]
-  if len(new):
-    emb[new] = embedder(params, new)
-  removed = len(old_emb) - int(kept.sum())
+  emb, done = updated_rows(embedder.corpus.block_ids, previous, manifest,
+                           lambda new: embedder(params, new))
   index, path = _publish(root, embedder, emb, params, step, index_options, keep, protect)
-  message = (f"Corpus update: embedded {len(new):,} new blocks, reused {int(kept.sum()):,} "
-             f"({removed:,} removed) of {os.path.basename(previous)}; published as {path}.")
+  message = f"Corpus update: {done} of {os.path.basename(previous)}; published as {path}."
   logging.info(message)
   if jax.process_index() == 0:
     print(message, flush=True)
