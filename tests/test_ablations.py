@@ -193,6 +193,27 @@ def test_the_small_pretraining_config_is_the_demo_over_the_whole_corpus_for_long
   assert small["corpus.max_docs"] == 0 and small["num_steps"] == 5 * demo["num_steps"]
 
 
+def test_the_small_ablations_pretrain_the_small_config_and_finetune_it_and_minilm(tmp_path):
+  """ablations.py:small: the default pre-training of configs/pretrain.py:small, fine-tuned as
+  wiki_vital; the MiniLM row is the same fine-tuning as the demo ablations' (so its work
+  directory can be shared)."""
+  from realm_jax.configs import ablations as ablations_config
+  from realm_jax.configs import finetune, pretrain
+  from realm_jax.eval import ablations
+  config = ablations_config.get_config("small")
+  ablations.check_config(config)
+  assert config.variants == ("default",)
+  assert config.finetune_variants == ("minilm", "default")
+  assert _flat(ablations.pretrain_config(config, "default", str(tmp_path)).to_dict()) == _flat(
+      {**pretrain.get_config("small").to_dict(), "data_dir": str(tmp_path / "pretrain-data")})
+  demo = ablations_config.get_config("demo")
+  minilm = ablations.finetune_config(config, "minilm", str(tmp_path)).to_dict()
+  assert minilm == ablations.finetune_config(demo, "minilm", str(tmp_path)).to_dict()
+  assert minilm == finetune.get_config("wiki_vital").to_dict()
+  assert ablations.finetune_config(config, "default", str(tmp_path)).init == str(
+      tmp_path / "pretrain-default")
+
+
 @pytest.mark.slow
 def test_the_table_leaves_out_what_has_not_run(tiny_run, tmp_path):
   """--table_only (and the runner after each stage) writes the finished stages only."""
