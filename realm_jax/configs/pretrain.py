@@ -6,10 +6,12 @@ Variants (`--config=realm_jax/configs/pretrain.py:<variant>`):
          (7-13 minutes): held-out masked-token accuracy 9.42% with retrieval against 7.48% with
          the null document only, retrieval utility 0.071 at step 300 (docs/pretraining.md):
            python experiments/pretrain.py --flagfile=experiments/flags/pretrain_demo.flags
-  small  the demo's models and shapes over all 10,033 embedded articles (~26k blocks), 1,500 steps,
+  small  the demo's models and shapes over all 10,033 embedded articles (25,033 blocks), 1,500 steps,
          the index refreshed every 500: the longer CPU run whose exports feed fine-tuning
-         (finetune.py's config.init). Not yet run to the end: from the demo's ~3 s per step and
-         ~80 blocks/s per refresh on 2 AMD EPYC cores it should take ~1.5-2 hours:
+         (finetune.py's config.init). On 2 AMD EPYC cores: 108 minutes (2.8-2.9 s a step alone,
+         ~3 minutes per refresh of the 25,033 blocks; other runs shared the cores for its last
+         55 minutes); held-out accuracy 15.41% against 12.65% with the null document at step 1500
+         (docs/ablations.md). Alone, or as the ablations runner's `small` (then fine-tuned):
            python experiments/pretrain.py --config=realm_jax/configs/pretrain.py:small \
                --workdir=work/pretrain_small
   tiny   random 2-layer models over 40 articles, for tests (seconds).
