@@ -26,7 +26,33 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # selected test needs them: the module lists them in EARLY = {fixture name: start}, where
 # start(tmp_path_factory) starts the processes and returns (processes, finish); the fixture returns
 # `started_early(request, start)`: finish() of the processes started early (or now).
-_EARLY = {}
+_EARLY = {}  # start -> (processes, finish, the directories its start made)
+# Every run here writes checkpoints and exports (~200 MB for a MiniLM-sized model), and a CI
+# machine's disk can be small: a passed test's tmp_path goes when it ends (pyproject.toml's
+# tmp_path_retention_policy), an early run's directories when its module ends, and the fixtures
+# below named in _SCRATCH after the last test that uses them, unless a test has failed by then
+# (kept to debug, as pytest keeps a failed test's tmp_path).
+_SCRATCH = {}  # fixture name -> its directory, once made
+_LAST_USER = {}  # fixture name in _SCRATCH -> the last selected test that uses it
+
+
+class _Recording:
+  """A tmp_path_factory that remembers the directories it made."""
+
+  def __init__(self, factory):
+    self._factory, self.made = factory, []
+
+  def mktemp(self, *args, **kwargs):
+    path = self._factory.mktemp(*args, **kwargs)
+    self.made.append(path)
+    return path
+
+
+def _remove_unless_failed(session, *paths):
+  if session.testsfailed == 0:
+    import shutil
+    for path in paths:
+      shutil.rmtree(path, ignore_errors=True)
 
 
 def _waits_for_early_runs(item) -> bool:
@@ -39,6 +65,17 @@ def pytest_collection_modifyitems(session, config, items):
   minutes for its runner."""
   del session, config
   items.sort(key=_waits_for_early_runs)  # stable: False before True, each group in its order
+  for item in items:
+    for name in ("tiny_qa_workdir",):
+      if name in getattr(item, "fixturenames", ()):
+        _LAST_USER[name] = item
+
+
+def pytest_runtest_teardown(item, nextitem):
+  del nextitem
+  for name, last in _LAST_USER.items():
+    if last is item and name in _SCRATCH:
+      _remove_unless_failed(item.session, _SCRATCH.pop(name))
 
 
 def pytest_collection_finish(session):
@@ -48,17 +85,26 @@ def pytest_collection_finish(session):
     for name, start in getattr(getattr(item, "module", None), "EARLY", {}).items():
       if name in item.fixturenames and start not in _EARLY:
         # (the object the tmp_path_factory fixture returns)
-        _EARLY[start] = start(session.config._tmp_path_factory)  # pylint: disable=protected-access
+        _EARLY[start] = _start(start, session.config._tmp_path_factory)  # pylint: disable=protected-access
+
+
+def _start(start, factory):
+  recording = _Recording(factory)
+  return (*start(recording), recording.made)
 
 
 def started_early(request, start):
-  _, finish = _EARLY.pop(start, None) or start(request.getfixturevalue("tmp_path_factory"))
+  """finish() of the processes started early (or now); their directories go when the fixture's
+  scope (the module) ends."""
+  _, finish, made = (_EARLY.pop(start, None)
+                     or _start(start, request.getfixturevalue("tmp_path_factory")))
+  request.addfinalizer(lambda: _remove_unless_failed(request.session, *made))
   return finish()
 
 
 def pytest_sessionfinish(session, exitstatus):
   del session, exitstatus
-  for procs, _ in _EARLY.values():  # started for tests that did not run (-x, an interrupt)
+  for procs, _, _ in _EARLY.values():  # started for tests that did not run (-x, an interrupt)
     for proc in procs:
       proc.kill()
       proc.wait()
@@ -152,7 +198,7 @@ def tiny_qa_workdir(tmp_path_factory):
   (experiments/finetune.py, one device: on the 8 fake devices of 2 cores it takes ~20 s more)."""
   import subprocess
   import sys
-  workdir = str(tmp_path_factory.mktemp("qa_tiny"))
+  workdir = _SCRATCH["tiny_qa_workdir"] = str(tmp_path_factory.mktemp("qa_tiny"))
   got = subprocess.run(
       [sys.executable, os.path.join(ROOT, "experiments", "finetune.py"),
        f"--config={ROOT}/realm_jax/configs/finetune.py:tiny", f"--workdir={workdir}",
