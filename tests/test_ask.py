@@ -183,7 +183,7 @@ def test_notebook_fine_tunes_answers_and_plots(workdir, system, tmp_path, monkey
       'variant = "tiny"', f"workdir = {copy!r}", f"questions_dir = {NQ!r}", "num_steps = 2",
       "retriever_steps = None", f"questions = [{QUESTION!r}]",
       'plot_question = "who painted the mona lisa"', "plot_top_k = 5", "num_eval = 8"])
-  monkeypatch.delenv("XLA_FLAGS", raising=False)  # the kernel runs on one device, like Colab's
+  monkeypatch.setenv("XLA_FLAGS", one_device_env()["XLA_FLAGS"])  # one device, like Colab's
   nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                           resources={"metadata": {"path": str(tmp_path)}}).execute()
   text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import devices_env
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time
@@ -54,7 +55,7 @@ def setup(tmp_path_factory):
 def _run(setup, out, slow, wait=True):
   cmd = [sys.executable, str(setup / "run.py"), str(setup / "docs.jsonl"), str(setup / "vocab.txt"),
          str(out), str(slow)]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  env = devices_env(2)
   if wait:
     subprocess.run(cmd, check=True, env=env, capture_output=True)
     return None

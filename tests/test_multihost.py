@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import started_early
+from conftest import devices_env, started_early
 
 try:  # the tiny config reads the embedded corpus and the MiniLM vocabulary (the demo extra)
   from realm_jax.checkpoints.minilm import minilm_dir
@@ -38,8 +38,7 @@ def _free_port() -> int:
 
 
 def _env(devices: int, **extra) -> dict:
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-         "JAX_PLATFORMS": "cpu", **extra}
+  env = {**devices_env(devices), "JAX_PLATFORMS": "cpu", **extra}
   return env
 
 

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import started_early
+from conftest import one_device_env, started_early
 
 try:  # the tiny config reads the embedded corpus and the MiniLM vocabulary (the demo extra)
   from realm_jax.checkpoints.minilm import minilm_dir
@@ -472,9 +472,8 @@ def test_refresher_reads_a_checkpoint_saved_on_other_devices(tmp_path):
   code = ("import json, jax; from realm_jax.train.refresher import read_retriever_params; "
           f"w = read_retriever_params({str(tmp_path)!r}, 5)['w']; "
           "print(jax.device_count(), json.dumps(w.tolist()))")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=one_device_env(),
+                       capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   devices, values = out.stdout.strip().splitlines()[-1].split(" ", 1)
   assert devices == "1"

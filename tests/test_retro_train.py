@@ -388,7 +388,7 @@ def test_the_notebook_trains_reports_plots_and_samples(trained, sample, tmp_path
   params[0].source = "\n".join([
       'variant = "tiny"', f"workdir = {copy!r}", "num_steps = 6", f"prompt = {prompt!r}",
       f"max_new_tokens = {NEW_TOKENS}"])
-  monkeypatch.delenv("XLA_FLAGS", raising=False)  # the kernel runs on one device, like Colab's
+  monkeypatch.setenv("XLA_FLAGS", one_device_env()["XLA_FLAGS"])  # one device, like Colab's
   nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                           resources={"metadata": {"path": str(tmp_path)}}).execute()
   outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
