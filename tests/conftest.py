@@ -5,8 +5,8 @@ import os
 # Must happen before jax is imported anywhere. The suite's time is mostly XLA compiling tiny models
 # (backend compilation was half of the quick tests' time), and LLVM at -O0 compiles them faster:
 # 37% less time for test_pieces.py and test_retro_model.py's quick tests, 15% for test_pretrain.py
-# and test_train_step.py (docs/notes.md, 2026-11-27). It changes no program, only machine code:
-# the same float operations, so every tolerance holds; user runs keep the default (-O2).
+# and test_train_step.py (docs/notes.md, 2026-11-27). It changes LLVM's code generation, not the
+# HLO program; every test passed both ways. User runs keep the default (-O2).
 _DEVICES = "--xla_force_host_platform_device_count"
 os.environ.setdefault("XLA_FLAGS", f"{_DEVICES}=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
