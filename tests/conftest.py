@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices for every sharded path, and the HF REALM port as oracle."""
 
 import os
+import shutil
 
 # Must happen before jax is imported anywhere. The suite's time is mostly XLA compiling tiny models
 # (backend compilation was half of the quick tests' time), and LLVM at -O0 compiles them faster:
@@ -34,11 +35,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 _EARLY = {}  # start -> (processes, finish, the directories its start made)
 # Every run here writes checkpoints and exports (~200 MB for a MiniLM-sized model), and a CI
 # machine's disk can be small: a passed test's tmp_path goes when it ends (pyproject.toml's
-# tmp_path_retention_policy), an early run's directories when its module ends, and the fixtures
-# below named in _SCRATCH after the last test that uses them, unless a test has failed by then
-# (kept to debug, as pytest keeps a failed test's tmp_path).
+# tmp_path_retention_policy), an early run's directories when its module ends, and a session
+# fixture's directory that it puts in _SCRATCH after the last test that uses the fixture, unless a
+# test has failed by then (kept to debug, as pytest keeps a failed test's tmp_path).
 _SCRATCH = {}  # fixture name -> its directory, once made
-_LAST_USER = {}  # fixture name in _SCRATCH -> the last selected test that uses it
+_LAST_USE = {}  # fixture name -> the last selected test that uses it
 
 
 class _Recording:
@@ -55,7 +56,6 @@ class _Recording:
 
 def _remove_unless_failed(session, *paths):
   if session.testsfailed == 0:
-    import shutil
     for path in paths:
       shutil.rmtree(path, ignore_errors=True)
 
@@ -70,17 +70,13 @@ def pytest_collection_modifyitems(session, config, items):
   minutes for its runner."""
   del session, config
   items.sort(key=_waits_for_early_runs)  # stable: False before True, each group in its order
-  for item in items:
-    for name in ("tiny_qa_workdir",):
-      if name in getattr(item, "fixturenames", ()):
-        _LAST_USER[name] = item
+  _LAST_USE.update((name, item) for item in items for name in getattr(item, "fixturenames", ()))
 
 
 def pytest_runtest_teardown(item, nextitem):
   del nextitem
-  for name, last in _LAST_USER.items():
-    if last is item and name in _SCRATCH:
-      _remove_unless_failed(item.session, _SCRATCH.pop(name))
+  for name in [name for name in _SCRATCH if _LAST_USE.get(name) is item]:
+    _remove_unless_failed(item.session, _SCRATCH.pop(name))
 
 
 def pytest_collection_finish(session):
@@ -114,7 +110,6 @@ def pytest_sessionfinish(session, exitstatus):
       proc.kill()
       proc.wait()
   if _OWN_CACHE is not None:
-    import shutil
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 import numpy as np  # noqa: E402
@@ -233,7 +228,6 @@ def damaged_best_copy(workdir, tmp_path):
   """(copy, its kept step directory): a copy of a fine-tuning work directory whose kept model
   (best/<step>) lost its largest data file."""
   import pathlib
-  import shutil
   from realm_jax.systems import open_qa
   where = pathlib.Path(tmp_path) / "w"
   shutil.copytree(workdir, where)

@@ -38,8 +38,7 @@ def _free_port() -> int:
 
 
 def _env(devices: int, **extra) -> dict:
-  env = {**devices_env(devices), "JAX_PLATFORMS": "cpu", **extra}
-  return env
+  return {**devices_env(devices), "JAX_PLATFORMS": "cpu", **extra}
 
 
 def _start(workdir, data_dir, env, *extra):
