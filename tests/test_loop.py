@@ -1,6 +1,7 @@
 """realm_jax/train/loop.py: the one training loop, on a toy least-squares trainer over 8 fake
 devices, against a plain loop written here (same data, same optax update, one device)."""
 
+import gzip
 import json
 import os
 
@@ -12,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from realm_jax.train import loop
+from realm_jax.train import loop, profile
 from realm_jax.train.realm_step import loss_step
 
 DIM, ROWS, LR = 4, 64, 0.05
@@ -154,6 +155,31 @@ def test_non_finite_steps_are_skipped_and_max_bad_steps_in_a_row_stop_the_run(tm
   stopped = Toy(_config(nan_steps=(1, 2), eval_every=0), str(tmp_path / "x"))
   with pytest.raises(FloatingPointError, match="2 steps in a row had a non-finite loss"):
     stopped.run()
+
+
+def test_profiled_steps_leave_a_trace_and_a_table_and_train_the_same(tmp_path, caplog):
+  caplog.set_level("INFO")
+  workdir = str(tmp_path / "w")
+  toy = Toy(_config(eval_every=0, profile_start=2, profile_steps=3), workdir)
+  toy.run()
+  np.testing.assert_allclose(np.asarray(toy.state.params["w"]), _plain(6), rtol=1e-5, atol=1e-6)
+  [message] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Profile of")]
+  assert message.startswith("Profile of steps 2-4 (3 steps): ")
+  trace = profile.newest_trace(os.path.join(workdir, "tb"))
+  assert trace is not None and os.path.dirname(trace) in message
+  with gzip.open(trace, "rt") as f:
+    times = profile.op_times(json.load(f))
+  # The table's rows are the trace's op kinds, slowest first, per step.
+  rows = [line.split() for line in message.splitlines()[1:]]
+  slowest = sorted(times, key=lambda k: -times[k][0])[:len(rows)]
+  assert [r[0] for r in rows] == slowest
+  assert float(rows[0][1].replace(",", "")) == pytest.approx(times[slowest[0]][0] / 1e3 / 3,
+                                                             abs=0.05)
+
+
+def test_a_profile_into_a_remote_workdir_is_refused(tmp_path):
+  with pytest.raises(ValueError, match="profile_steps=2 writes its trace into the work directory"):
+    Toy(_config(profile_steps=2), "gs://bucket/run")
 
 
 def test_a_batch_the_devices_cannot_split_is_refused(tmp_path):

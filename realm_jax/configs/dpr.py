@@ -60,6 +60,8 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
   c.checkpoint_every = 50
   c.keep_checkpoints = 2
   c.max_bad_steps = 10
+  c.profile_start = 10            # profile_steps > 0: a trace of steps profile_start.. in tb/,
+  c.profile_steps = 0             # and the time per XLA op in the log (train/profile.py)
   c.export_dir = ""               # default: <workdir>/export
 
   if arg == "wiki_vital":

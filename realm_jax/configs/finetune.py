@@ -76,6 +76,8 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
   c.checkpoint_every = 100
   c.keep_checkpoints = 1          # the newest (best/ keeps the best model apart)
   c.max_bad_steps = 10
+  c.profile_start = 10            # profile_steps > 0: a trace of steps profile_start.. in tb/,
+  c.profile_steps = 0             # and the time per XLA op in the log (train/profile.py)
   c.ks = (1, 5, 20)
 
   if arg == "wiki_vital":

@@ -63,6 +63,8 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.checkpoint_every = 5000
   c.keep_checkpoints = 3
   c.max_bad_steps = 10            # consecutive non-finite losses before the run stops
+  c.profile_start = 10            # profile_steps > 0: a trace of steps profile_start.. in tb/,
+  c.profile_steps = 0             # and the time per XLA op in the log (train/profile.py)
   c.export_dir = ""               # default: <workdir>/export
 
   if arg == "demo":

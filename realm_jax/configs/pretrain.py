@@ -109,6 +109,8 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.checkpoint_every = 1000
   c.keep_checkpoints = 3
   c.max_bad_steps = 10            # consecutive non-finite losses before the run stops
+  c.profile_start = 10            # profile_steps > 0: a trace of steps profile_start.. in tb/,
+  c.profile_steps = 0             # and the time per XLA op in the log (train/profile.py)
 
   if arg in ("demo", "small"):
     # All 6 MiniLM layers in both models: with 2, the encoder barely learns to copy a span from a

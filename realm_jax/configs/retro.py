@@ -82,6 +82,8 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.checkpoint_every = 500
   c.keep_checkpoints = 2
   c.max_bad_steps = 10
+  c.profile_start = 10            # profile_steps > 0: a trace of steps profile_start.. in tb/,
+  c.profile_steps = 0             # and the time per XLA op in the log (train/profile.py)
   c.eval_batch_size = 8            # held-out sequences per call of the final evaluation
 
   if arg == "demo":

@@ -123,7 +123,8 @@ def check_counts(config) -> None:
   positive = ("num_steps", "batch_size", "beam", "reader_blocks", "log_every", "checkpoint_every",
               "keep_checkpoints", "max_bad_steps", "eval_batch_size")
   zero_means = {"eval_every": "no dev evaluation", "eval_limit": "every dev question",
-                "data.limit": "every question"}
+                "data.limit": "every question", "profile_start": "from the first step",
+                "profile_steps": "no profile"}
   for key in positive:
     if config[key] < 1:
       raise ValueError(f"--config.{key}={config[key]}: must be at least 1.")

@@ -27,6 +27,9 @@ The same for every trainer, defined here once:
   run stops after `max_bad_steps` of them in a row, keeping its newest good checkpoint.
 - Checkpoints hold the state, `checkpoint_meta` and, when the subclass has one, its data iterator
   (`data_iterator`); a run started again on the same workdir resumes from the newest one.
+- `profile_steps` > 0: a jax.profiler trace of that many steps from `profile_start` goes to
+  `<workdir>/tb` (TensorBoard's Profile tab), and the log says where their time went
+  (realm_jax/train/profile.py).
 """
 
 from __future__ import annotations
@@ -46,15 +49,17 @@ from jax.sharding import PartitionSpec as P
 
 from realm_jax import distributed, workdir_lock
 from realm_jax.host_memory import release_freed_memory
-from realm_jax.io_utils import as_path, read_json, write_json
+from realm_jax.io_utils import as_path, is_remote, read_json, write_json
 from realm_jax.checkpoints import training as checkpoints
 from realm_jax.train import memory
 from realm_jax.train.metrics_writer import MetricsWriter
+from realm_jax.train.profile import StepProfiler
 from realm_jax.train.realm_step import TrainState
 
 # The loop's settings and their least values (config_checks.at_least), shared by every trainer.
 LOOP_MINIMUMS = {"batch_size": 1, "num_steps": 1, "log_every": 1, "eval_every": 0,
-                 "checkpoint_every": 1, "keep_checkpoints": 1, "max_bad_steps": 1}
+                 "checkpoint_every": 1, "keep_checkpoints": 1, "max_bad_steps": 1,
+                 "profile_start": 0, "profile_steps": 0}
 # Fixed settings added after runs were made without them, and the value those runs used.
 ADDED_SETTINGS = {"retriever_learning_rate": -1.0, "reader_title": True, "retriever_num_layers": 0,
                   "pooling": "projected_cls", "masking": "salient_spans", "null_document": True}
@@ -160,6 +165,10 @@ class TrainLoop:
     if config.batch_size % jax.device_count():
       raise ValueError(f"--config.batch_size={config.batch_size} is not divisible by the "
                        f"{jax.device_count()} devices: pick a multiple.")
+    if config.get("profile_steps", 0) and is_remote(workdir):
+      raise ValueError(f"--config.profile_steps={config.profile_steps} writes its trace into the "
+                       f"work directory, and {workdir} is not local: profile a run in a local "
+                       "--workdir (a few steps show where the time goes).")
     self.config, self.workdir = config, workdir
     self.mesh = Mesh(np.array(jax.devices()), ("data",))
     self.replicated = NamedSharding(self.mesh, P())
@@ -277,7 +286,9 @@ class TrainLoop:
     sums, busy, examples = None, 0.0, 0
     bar = tqdm(total=c.num_steps, initial=start_step, desc=self.name, unit="step",
                disable=jax.process_index() != 0)
+    profiler = StepProfiler(c, self.metrics.logdir)
     for step in range(start_step, c.num_steps):
+      profiler.before(step)
       start = time.perf_counter()
       batch = self.next_batch()
       self.state, out = self.step_fn(self.state, batch, self.rng)
@@ -291,6 +302,7 @@ class TrainLoop:
         logging.info("Device memory after the first step: %.2f GiB peak.", peak / memory.GIB)
       done = step + 1
       bar.update(1)
+      profiler.after(step, self.state)
       if done % c.log_every == 0 or done == c.num_steps:
         good = float(sums["good_steps"])  # 0: every step of the window was skipped
         metrics = {**self.summarize(sums), "grad_norm": float(sums["grad_norm"]) / good
