@@ -4,6 +4,7 @@ side by side in one run.
   python benchmarks/train_step.py                   # MiniLM-shaped BERT, B=8, K=8 (~5 min, 2 cores)
   python benchmarks/train_step.py --no_dropout      # the two first-step losses must then agree
   python benchmarks/train_step.py --preset=bert_base --dtype=bfloat16   # on a GPU
+  python benchmarks/train_step.py --profile_dir=/tmp/ts   # + the XLA ops that took longest
 
 A step is the whole of REALM pre-training's update: the (shared) retriever embeds the B queries
 and their B * K candidates, p(z|x) is the softmax of their inner products, the knowledge-augmented
@@ -96,6 +97,10 @@ def parse_args():
                  help="peak FLOP/s of the accelerator for MFU (989: H100 SXM bf16 dense)")
   p.add_argument("--breakdown", action="store_true",
                  help="also time the forward (loss only) and forward + backward (no update)")
+  p.add_argument("--profile_dir", default="",
+                 help="also trace 2 more realm_jax steps into this directory (jax.profiler; "
+                      "TensorBoard's Profile tab or ui.perfetto.dev) and print the XLA ops that "
+                      "took longest (realm_jax/train/profile.py)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--keep_freed_memory", action="store_true",
                  help="glibc keeps freed blocks for reuse (no mmap, no trim) for both "
@@ -327,6 +332,17 @@ def run_jax(args, params, hf_cfg, batch) -> dict:
     state, metrics = step(state, batch, rng)
   jax.block_until_ready((state, metrics))
   out["step_s"] = (time.perf_counter() - start) / args.steps
+  if args.profile_dir:
+    import gzip
+    import json
+    from realm_jax.train import profile
+    jax.profiler.start_trace(args.profile_dir, create_perfetto_trace=True)
+    for _ in range(2):
+      state, metrics = step(state, batch, rng)
+    jax.block_until_ready((state, metrics))
+    jax.profiler.stop_trace()
+    with gzip.open(profile.newest_trace(args.profile_dir), "rt") as f:
+      out["profile"] = profile.format_table(profile.op_times(json.load(f)), steps=2, top=15)
   return out
 
 
@@ -435,6 +451,10 @@ def main():
     if "forward_s" in hf:
       print(f"speed-up: forward {hf['forward_s'] / jx['forward_s']:.2f}x, forward + backward "
             f"{hf['grad_s'] / jx['grad_s']:.2f}x")
+  if "profile" in jx:
+    print(f"\nrealm_jax's step, the XLA ops that took longest (time inside each op on the thread "
+          f"that ran it; trace in {args.profile_dir}):")
+    print("\n".join(jx["profile"]))
 
 
 if __name__ == "__main__":
