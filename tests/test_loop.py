@@ -177,6 +177,13 @@ def test_profiled_steps_leave_a_trace_and_a_table_and_train_the_same(tmp_path, c
                                                              abs=0.05)
 
 
+def test_a_profile_running_past_the_last_step_ends_with_the_run(tmp_path, caplog):
+  caplog.set_level("INFO")
+  Toy(_config(eval_every=0, profile_start=4, profile_steps=5), str(tmp_path / "w")).run()
+  assert [r.getMessage().split(":")[0] for r in caplog.records
+          if r.getMessage().startswith("Profile of")] == ["Profile of steps 4-5 (2 steps)"]
+
+
 def test_a_profile_into_a_remote_workdir_is_refused(tmp_path):
   with pytest.raises(ValueError, match="profile_steps=2 writes its trace into the work directory"):
     Toy(_config(profile_steps=2), "gs://bucket/run")

@@ -1,8 +1,8 @@
 """A trace of a few training steps, and where their time went.
 
 With `config.profile_steps` > 0 the training loop (realm_jax/train/loop.py) records a
-`jax.profiler` trace of steps profile_start .. profile_start + profile_steps - 1 (batch making,
-retrieval and the jitted step) into `<workdir>/tb/plugins/profile/<time>/`, which TensorBoard's
+`jax.profiler` trace of steps profile_start .. profile_start + profile_steps - 1 (or the run's
+last; batch making, retrieval and the jitted step) into `<workdir>/tb/plugins/profile/<time>/`, which TensorBoard's
 Profile tab opens (and https://ui.perfetto.dev, from `perfetto_trace.json.gz`). When the last of
 them is done it logs the wall time and CPU cores busy per step, and the XLA operations that took
 the most time, summed over the threads (or devices) that ran them:
@@ -81,7 +81,8 @@ class StepProfiler:
 
   def __init__(self, config, logdir: str):
     self.first = int(config.get("profile_start", 0))
-    self.count = int(config.get("profile_steps", 0))
+    # Steps past the run's last are not there to trace: the trace ends with the run's last step.
+    self.count = max(0, min(int(config.get("profile_steps", 0)), config.num_steps - self.first))
     self.logdir = logdir
     self._started = None
 
