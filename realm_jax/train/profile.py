@@ -2,14 +2,16 @@
 
 With `config.profile_steps` > 0 the training loop (realm_jax/train/loop.py) records a
 `jax.profiler` trace of steps profile_start .. profile_start + profile_steps - 1 (or the run's
-last; batch making, retrieval and the jitted step) into `<workdir>/tb/plugins/profile/<time>/`, which TensorBoard's
-Profile tab opens (and https://ui.perfetto.dev, from `perfetto_trace.json.gz`). When the last of
-them is done it logs the wall time and CPU cores busy per step, and the XLA operations that took
-the most time, summed over the threads (or devices) that ran them:
+last): batch making, retrieval and the jitted step, into `<workdir>/tb/plugins/profile/<time>/`,
+which TensorBoard's Profile tab opens (and https://ui.perfetto.dev, from
+`perfetto_trace.json.gz`). When the last of them is done it logs the wall time and CPU cores busy
+per step, and the XLA operations that took the most time, summed over the threads (or devices)
+that ran them. The pre-training demo's, on 2 AMD EPYC cores (`--config.profile_start=8
+--config.profile_steps=6`):
 
-    Profile of steps 10-12 (3 steps): 2,410 ms a step, 1.93 CPU cores busy; trace in ...
-      ynn_fusion                      1,530.1 ms a step  63.6%  (1,490 calls)
-      copy_bitcast_fusion               105.0 ms a step   4.4%
+    Profile of steps 8-13 (6 steps): 2,546 ms a step, 1.93 CPU cores busy; trace in ...
+      ynn_fusion                          2,183.6 ms a step  64.2%  (1,490 calls)
+      copy_bitcast_fusion                   151.3 ms a step   4.4%  (477 calls)
       ...
 
 Op kinds are the HLO names without their number (`ynn_fusion.675` -> `ynn_fusion`), so the
