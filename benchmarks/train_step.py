@@ -333,16 +333,13 @@ def run_jax(args, params, hf_cfg, batch) -> dict:
   jax.block_until_ready((state, metrics))
   out["step_s"] = (time.perf_counter() - start) / args.steps
   if args.profile_dir:
-    import gzip
-    import json
-    from realm_jax.train import profile
+    from realm_jax.train.profile import op_table
     jax.profiler.start_trace(args.profile_dir, create_perfetto_trace=True)
     for _ in range(2):
       state, metrics = step(state, batch, rng)
     jax.block_until_ready((state, metrics))
     jax.profiler.stop_trace()
-    with gzip.open(profile.newest_trace(args.profile_dir), "rt") as f:
-      out["profile"] = profile.format_table(profile.op_times(json.load(f)), steps=2, top=15)
+    out["profile"] = op_table(args.profile_dir, steps=2, top=15) or []
   return out
 
 
