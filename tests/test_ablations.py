@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import started_early
+from conftest import one_device_env, started_early
 
 from realm_jax.configs import ablations as ablations_config
 from realm_jax.eval import ablations, stats
@@ -128,7 +128,7 @@ def _start_tiny(tmp_path_factory):
   proc = subprocess.Popen(
       [sys.executable, "experiments/ablations.py", "--config=realm_jax/configs/ablations.py:tiny",
        f"--workdir={workdir}", f"--config.finetune.data.local_dir={QA_DIR}"],
-      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      cwd=ROOT, env=one_device_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
   def finish():
     out, _ = proc.communicate(timeout=900)

@@ -141,7 +141,7 @@ def test_encoder_loss_gradients_match_hf(encoder_pair, hf_config, jax_config):
   def loss_fn(p, rel):
     return _jax_encoder_loss(p, jax_config, ids, mask, types, labels, rel)[0]
 
-  grads, rel_grad = jax.grad(loss_fn, argnums=(0, 1))(params, jnp.asarray(relevance))
+  grads, rel_grad = jax.jit(jax.grad(loss_fn, argnums=(0, 1)))(params, jnp.asarray(relevance))
   assert _record("encoder grad", rel_grad, rel_t.grad.numpy()) <= 1e-4
   ours = to_hf_state_dict(grads, "encoder")
   checked = 0

@@ -562,8 +562,8 @@ def test_a_frozen_retriever_keeps_its_weights_and_clips_the_encoder_alone():
   state = TrainState.create(apply_fn=None, params=params, tx=tx)
   new, out = jax.jit(functools.partial(train_step, models=models, dropout=False))(
       state, batch, jax.random.key(0))
-  encoder_grads = jax.grad(lambda e: realm_loss({**params, "encoder": e}, batch, models)[0])(
-      params["encoder"])
+  encoder_grads = jax.jit(jax.grad(
+      lambda e: realm_loss({**params, "encoder": e}, batch, models)[0]))(params["encoder"])
   np.testing.assert_allclose(float(out["grad_norm"]), float(optax.tree.norm(encoder_grads)),
                              rtol=1e-5)
   chex.assert_trees_all_equal(new.params["retriever"], params["retriever"])
