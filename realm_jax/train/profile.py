@@ -82,8 +82,10 @@ def op_table(logdir: str, steps: int, top: int = 12) -> list[str] | None:
   """`format_table` of the newest trace under `logdir` over `steps` steps; None when jax wrote no
   perfetto trace (only the xplane file)."""
   path = newest_trace(logdir)
-  if path is None:
-    return None
+  return None if path is None else _trace_table(path, steps, top)
+
+
+def _trace_table(path: str, steps: int, top: int = 12) -> list[str]:
   with gzip.open(path, "rt") as f:
     return format_table(op_times(json.load(f)), steps, top)
 
@@ -112,10 +114,10 @@ class StepProfiler:
     cores = (t1.user - t0.user + t1.system - t0.system) / wall
     jax.profiler.stop_trace()
     self._started = None
-    table = op_table(self.logdir, self.count)
-    if table is None:  # jax wrote only the xplane file (no perfetto support in this jaxlib)
+    path = newest_trace(self.logdir)
+    if path is None:  # jax wrote only the xplane file (no perfetto support in this jaxlib)
       logging.info("Profile of steps %d-%d in %s", self.first, step, self.logdir)
       return
     logging.info("Profile of steps %d-%d (%d steps): %s ms a step, %.2f CPU cores busy; trace in "
                  "%s\n%s", self.first, step, self.count, f"{1e3 * wall / self.count:,.0f}", cores,
-                 os.path.dirname(newest_trace(self.logdir)), "\n".join(table))
+                 os.path.dirname(path), "\n".join(_trace_table(path, self.count)))
