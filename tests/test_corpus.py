@@ -187,6 +187,27 @@ c.Corpus.build(sys.argv[3], config)
 """
 
 
+def test_building_leaves_nothing_in_the_temporary_directory(tmp_path, vocab_file, monkeypatch):
+  """TFDS looks a builder's dataset up in its public bucket through a temporary directory that it
+  makes and never removes; realm_jax's own datasets skip that lookup."""
+  import tempfile
+
+  from realm_jax.data.qa import WebQuestions
+  temp = tmp_path / "temp"
+  temp.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(temp))
+  path = write_jsonl(tmp_path / "docs.jsonl", [{"title": "Paris", "text": "Paris is big."}])
+  config = CorpusConfig(source="jsonl", paths=(path,), vocab_file=vocab_file, block_length=288)
+  assert len(Corpus.build(str(tmp_path / "data"), config)) == 1
+  (tmp_path / "webq").mkdir()
+  (tmp_path / "webq" / "webquestions.examples.test.json").write_text(json.dumps([
+      {"url": "", "targetValue": "(list (description Paris))", "utterance": "where?"}]))
+  builder = WebQuestions(local_dir=str(tmp_path / "webq"), data_dir=str(tmp_path / "qa"))
+  builder.download_and_prepare()
+  assert builder.info.splits["test"].num_examples == 1
+  assert sorted(os.listdir(temp)) == []
+
+
 def test_a_killed_build_leaves_nothing_behind_the_next_one(tmp_path, vocab_file, caplog):
   """SIGKILLed mid-build, TFDS leaves its incomplete.* folder; the next build deletes it, saying
   so, and builds the whole corpus."""

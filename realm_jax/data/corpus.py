@@ -28,7 +28,7 @@ import tensorflow_datasets.core  # noqa: F401  (tfds.core is not imported by the
 
 from realm_jax import io_utils
 from realm_jax.data.blocks import BLOCKING_VERSION, BLOCKINGS, MIN_BODY_PIECES, pack_blocks
-from realm_jax.data.prepare import prepare
+from realm_jax.data.prepare import LocalDatasetInfo, prepare
 from realm_jax.data.sources import SOURCES, documents, jsonl_files
 from realm_jax.text import BertTokenizer, batch_join, checkpoint_normalization
 
@@ -114,7 +114,7 @@ class RealmBlocks(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     ids = lambda: tfds.features.Tensor(shape=(None,), dtype=np.int32)
-    return tfds.core.DatasetInfo(
+    return LocalDatasetInfo(
         builder=self,
         description="REALM blocks: [CLS] title [SEP] body [SEP] within a word-piece budget.",
         features=tfds.features.FeaturesDict({

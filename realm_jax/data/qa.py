@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 import tensorflow_datasets as tfds
 import tensorflow_datasets.core  # noqa: F401  (tfds.core is not imported by the package itself)
 
-from realm_jax.data.prepare import prepare
+from realm_jax.data.prepare import LocalDatasetInfo, prepare
 from realm_jax.data.qa_batches import MAX_QUESTION_CHARS
 from realm_jax.io_utils import iter_jsonl
 from realm_jax.text.answers import normalize_answer
@@ -196,7 +196,7 @@ class _QaBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     super().__init__(config=config, file_format="array_record", **kwargs)
 
   def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
+    return LocalDatasetInfo(
         builder=self,
         description=f"{type(self).__doc__.strip()} Answer type: {self.ANSWER_TYPE}.",
         features=tfds.features.FeaturesDict({
