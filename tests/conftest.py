@@ -3,6 +3,8 @@
 import os
 import shutil
 
+import pytest
+
 # Must happen before jax is imported anywhere. The suite's time is mostly XLA compiling tiny models
 # (backend compilation was half of the quick tests' time), and LLVM at -O0 compiles them faster:
 # 37% less time for test_pieces.py and test_retro_model.py's quick tests, 15% for test_pretrain.py
@@ -19,6 +21,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # XLA compilations are most of the suite's time, and many tests (and the runs they start as
 # subprocesses) compile the same programs: share them through jax's persistent cache, one
 # directory per test session.
+# Under pytest-xdist the controller makes the directory before it starts the workers, which inherit
+# the variable: the workers share one cache.
 _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   import tempfile
@@ -67,12 +71,49 @@ def _waits_for_early_runs(item) -> bool:
   return bool(getattr(getattr(item, "module", None), "EARLY", None))
 
 
+# pyproject.toml runs the suite on 2 pytest-xdist workers, one per core (`-n 0`: one process, as
+# before). The scheduler below sends the tests out in groups: a module is a group (its
+# module-scoped runs are made once), the modules that share the tiny QA run are one, and the groups
+# go out heaviest first (the workers' order, set below), so that the last ones to finish are short.
+# A worker starts no run early (the other worker keeps the second core busy instead): a module's
+# runs start when its tests first need them.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_SHARED_GROUPS = {"test_ask": "tiny_qa", "test_finetune": "tiny_qa", "test_dpr": "tiny_qa"}
+# CPU seconds of each group, the runs it starts included (2 Intel Xeon cores, 2026-11-28,
+# docs/notes.md): from ~440 s down to ~60 s; the groups not named take less.
+_HEAVIEST_FIRST = ("tiny_qa", "test_pretrain", "test_train_step", "test_retro_train",
+                   "test_multihost", "test_search_demo", "test_pieces", "test_ablations",
+                   "test_qa_step", "test_knnlm", "test_loop", "test_ict")
+
+
+def _group(nodeid: str) -> str:
+  module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+  return _SHARED_GROUPS.get(module, module)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """xdist's scheduler by scope, each group a scope (its `loadgroup` marks do not reach the
+  scheduler under pytest 9)."""
+  from xdist.scheduler import LoadScopeScheduling
+
+  class ByGroup(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      return _group(nodeid)
+
+  return ByGroup(config, log)
+
+
 def pytest_collection_modifyitems(session, config, items):
-  """The modules with runs started early go last (in their order, each whole), so those runs have
-  the rest of the suite to finish beside: test_ablations.py, first by name, used to wait ~4
-  minutes for its runner."""
+  """Without xdist, the modules with runs started early go last (in their order, each whole), so
+  those runs have the rest of the suite to finish beside: test_ablations.py, first by name, used to
+  wait ~4 minutes for its runner. On an xdist worker, the groups above, heaviest first."""
   del session, config
-  items.sort(key=_waits_for_early_runs)  # stable: False before True, each group in its order
+  if _XDIST_WORKER:
+    rank = {name: i for i, name in enumerate(_HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))  # stable
+  else:
+    items.sort(key=_waits_for_early_runs)  # stable: False before True, each group in its order
   _LAST_USE.update((name, item) for item in items for name in getattr(item, "fixturenames", ()))
 
 
@@ -83,7 +124,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_collection_finish(session):
-  if session.config.option.collectonly:
+  if session.config.option.collectonly or _XDIST_WORKER:
     return
   for item in session.items:
     for name, start in getattr(getattr(item, "module", None), "EARLY", {}).items():
@@ -116,7 +157,6 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 
 from realm_jax.models import RealmConfig  # noqa: E402
 
