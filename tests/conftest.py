@@ -109,6 +109,11 @@ def pytest_collection_modifyitems(session, config, items):
   those runs have the rest of the suite to finish beside: test_ablations.py, first by name, used to
   wait ~4 minutes for its runner. On an xdist worker, the groups above, heaviest first."""
   del session, config
+  strays = sorted({_group(item.nodeid) for item in items
+                   if "tiny_qa_workdir" in getattr(item, "fixturenames", ())} - {"tiny_qa"})
+  if strays:  # each worker would make the run again
+    raise pytest.UsageError(f"tests/conftest.py: add {strays} to _SHARED_GROUPS (they use the "
+                            "tiny QA run)")
   if _XDIST_WORKER:
     rank = {name: i for i, name in enumerate(_HEAVIEST_FIRST)}
     items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))  # stable
