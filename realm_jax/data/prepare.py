@@ -30,7 +30,7 @@ class LocalDatasetInfo(tfds.core.DatasetInfo):
   """The DatasetInfo of a dataset that realm_jax builds itself: it is never in TFDS's public
   bucket, so the lookup there is skipped. (Making a builder whose dataset is not built yet looks
   it up, and TFDS makes an empty temporary directory for that lookup each time and leaves it: a
-  test suite's run left ~130 of them in the temporary directory.)"""
+  test suite's run left ~110 of them in the temporary directory.)"""
 
   def initialize_from_bucket(self) -> None:
     pass
