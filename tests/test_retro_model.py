@@ -1,5 +1,6 @@
 """realm_jax/models/retro.py: chunked cross-attention against a plain per-token loop written
-here, causality of the whole model, retrieval switched off, remat and bfloat16."""
+here, causality of the whole model, documents kept apart, retrieval switched off, remat and
+bfloat16, for both decoder families (GPT-2 and Llama, grouped-query)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,9 @@ from realm_jax.models.retro import (ChunkedCrossAttention, RetroConfig, RetroMod
 
 M, C, K, H, N = 4, 3, 2, 16, 2   # chunk length, chunks, neighbours, width, heads
 R, L = 2 * M, C * M
+
+
+FAMILIES = {"gpt2": {}, "llama": dict(family="llama", num_kv_heads=1, rope_theta=100.0)}
 
 
 def _config(**kw):
@@ -74,20 +78,21 @@ def test_cca_equals_a_plain_per_token_loop():
   assert not got[1, M - 1 + M:M - 1 + 2 * M].any()   # chunk 1's attending chunk: no neighbours
 
 
-@pytest.fixture(scope="module")
-def model():
-  config = _config()
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model(request):
+  family = FAMILIES[request.param]
+  config = _config(**family)
   rng = np.random.default_rng(1)
   tokens = rng.integers(1, 41, (2, L))
   neighbours = rng.integers(1, 41, (2, C, K, R))
   module = RetroModel(config)
   params = _randomize(module.init(jax.random.key(0), tokens, neighbours)["params"], seed=1)
-  apply = jax.jit(lambda p, t, n: module.apply({"params": p}, t, n))
-  return params, tokens, neighbours, apply
+  apply = jax.jit(lambda p, t, n, s=None: module.apply({"params": p}, t, n, segments=s))
+  return params, tokens, neighbours, apply, family
 
 
 def test_neighbours_of_chunk_u_change_no_logit_before_its_last_token(model):
-  params, tokens, neighbours, apply = model
+  params, tokens, neighbours, apply, _ = model
   base = np.asarray(apply(params, tokens, neighbours))
   for u in range(C):
     changed = neighbours.copy()
@@ -99,7 +104,7 @@ def test_neighbours_of_chunk_u_change_no_logit_before_its_last_token(model):
 
 
 def test_a_token_never_changes_an_earlier_logit(model):
-  params, tokens, neighbours, apply = model
+  params, tokens, neighbours, apply, _ = model
   base = np.asarray(apply(params, tokens, neighbours))
   for t in (0, M - 1, M, L - 1):
     changed = tokens.copy()
@@ -110,8 +115,8 @@ def test_a_token_never_changes_an_earlier_logit(model):
 
 
 def test_without_neighbours_the_model_is_its_baseline_decoder(model):
-  params, tokens, neighbours, apply = model
-  baseline = RetroModel(_config(cca_layers=()))
+  params, tokens, neighbours, apply, family = model
+  baseline = RetroModel(_config(cca_layers=(), **family))
   decoder = {k: {n: v for n, v in p.items() if n not in ("cca", "ln_cca", "encoder")}
              if k.startswith("h_") else p for k, p in params.items()}
   want = baseline.apply({"params": decoder}, tokens)
@@ -122,7 +127,7 @@ def test_without_neighbours_the_model_is_its_baseline_decoder(model):
 
 
 def test_remat_gives_the_same_loss_and_gradients_and_bfloat16_stays_close(model):
-  params, tokens, neighbours, _ = model
+  params, tokens, neighbours, _, family = model
   targets = np.roll(tokens, -1, axis=1)
 
   def loss(config):
@@ -130,15 +135,37 @@ def test_remat_gives_the_same_loss_and_gradients_and_bfloat16_stays_close(model)
     return jax.jit(jax.value_and_grad(lambda p: token_nll(
         module.apply({"params": p}, tokens, neighbours), targets).mean()))(params)
 
-  (l0, g0), (l1, g1) = loss(_config()), loss(_config(remat=True))
+  (l0, g0), (l1, g1) = loss(_config(**family)), loss(_config(remat=True, **family))
   np.testing.assert_allclose(l1, l0, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
     np.testing.assert_allclose(a, b, atol=1e-6)
-  bf16 = RetroModel(_config(dtype="bfloat16"))
+  bf16 = RetroModel(_config(dtype="bfloat16", **family))
   logits = jax.jit(lambda p: bf16.apply({"params": p}, tokens, neighbours))(params)
   assert logits.dtype == jnp.float32  # computed in bfloat16, parameters and logits float32
   l2 = token_nll(logits, targets).mean()
   assert abs(float(l2) - float(l0)) < 0.05 * float(l0)
+
+
+def test_documents_are_kept_apart_in_attention_and_cca(model):
+  """With segments, a token's logit depends only on its own document's tokens and on the
+  neighbours of its own document's chunks: the same as the document alone."""
+  params, tokens, neighbours, apply, _ = model
+  # Sequence 0: document 0 is chunk 0 and 1 (8 tokens), document 1 is chunk 2; sequence 1: one
+  # document then padding (-1) in its last chunk.
+  segments = np.array([[0] * 2 * M + [1] * M, [5] * 2 * M + [-1] * M])
+  base = np.asarray(apply(params, tokens, neighbours, segments))
+  changed_tokens, changed_nb = tokens.copy(), neighbours.copy()
+  changed_tokens[0, :2 * M] = (changed_tokens[0, :2 * M] % 40) + 1     # document 0's text
+  changed_nb[0, :2] = (changed_nb[0, :2] % 40) + 1                     # its chunks' neighbours
+  got = np.asarray(apply(params, changed_tokens, changed_nb, segments))
+  np.testing.assert_allclose(got[0, 2 * M:], base[0, 2 * M:], atol=1e-6)  # document 1 unmoved
+  assert np.abs(got[0, :2 * M] - base[0, :2 * M]).max() > 1e-3
+  # Document 1 alone, as a sequence of its own (its chunk's neighbours and all), gives its logits.
+  alone = np.asarray(apply(params, tokens[:1, 2 * M:], neighbours[:1, 2:]))
+  np.testing.assert_allclose(base[0, 2 * M:], alone[0], atol=1e-5)
+  # Sequence 1's document, alone: the padding after it changes nothing.
+  alone = np.asarray(apply(params, tokens[1:, :2 * M], neighbours[1:, :2]))
+  np.testing.assert_allclose(base[1, :2 * M], alone[0], atol=1e-5)
 
 
 def test_token_nll_and_the_papers_cca_layers():

@@ -1,5 +1,7 @@
-"""RETRO (Borgeaud et al. 2021) in Flax linen: a GPT-2-shaped decoder whose chosen layers read
-retrieved neighbours through chunked cross-attention (CCA), and the neighbour encoder.
+"""RETRO (Borgeaud et al. 2021) in Flax linen: a decoder whose chosen layers read retrieved
+neighbours through chunked cross-attention (CCA), and the neighbour encoder. The decoder is of one
+of two families (`RetroConfig.family`): GPT-2 (below) or Llama (realm_jax/models/llama.py:
+rotary positions, RMSNorm, SwiGLU, grouped-query attention); CCA and the encoder attach to either.
 
     tokens [B, L] --wte+wpe--> h_0 ... h_{n-1} --ln_f--> logits [B, L, V] (tied to wte)
     a CCA layer:  x += attn(ln_1 x);  x += cca(ln_cca x, E);  x += mlp(ln_2 x)
@@ -11,9 +13,10 @@ tokens u*m + m - 1 ... (u+1)*m + m - 2, so a token reads only the neighbours of 
 complete at its position, and the first m - 1 tokens read none. Positions inside CCA and the
 encoder are relative (a learned bias per head and distance), as the paper.
 
-Without CCA layers (or called with `neighbours=None`) the model is a plain GPT-2 decoder, whose
-parameter names are GPT-2's (`wte`, `wpe`, `h_3/attn/c_attn`, `ln_f`, ...): a Hugging Face GPT-2
-checkpoint loads by renaming (realm_jax/checkpoints/gpt2.py). Parameters are float32; `dtype`
+Without CCA layers (or called with `neighbours=None`) the model is a plain decoder, whose
+parameter names are GPT-2's (`wte`, `wpe`, `h_3/attn/c_attn`, `ln_f`, ...) or, for Llama, HF's
+projection names under the same layers (`h_3/attn/q_proj`, `h_3/mlp/gate_proj`): a Hugging Face
+checkpoint loads by renaming (realm_jax/checkpoints/gpt2.py, llama.py). Parameters are float32; `dtype`
 sets the compute dtype (LayerNorm statistics, softmaxes and the logits stay float32).
 """
 
@@ -24,6 +27,8 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from realm_jax.models.llama import GroupedQueryAttention, RMSNorm, SwiGLU
 
 Array = jax.Array
 _NEG = -1e9  # masked attention scores: far below any real one, finite in bfloat16 too
@@ -50,12 +55,30 @@ class RetroConfig:
   dtype: str = "float32"
   remat: bool = False
   initializer_range: float = 0.02
+  # The decoder family: "gpt2" (learned positions, LayerNorm, GELU, fused attention) or "llama"
+  # (rotary positions, RMSNorm, SwiGLU, grouped-query attention: realm_jax/models/llama.py).
+  family: str = "gpt2"
+  num_kv_heads: int = 0          # llama: key/value heads (0: num_heads)
+  head_dim: int = 0              # llama: width of a head (0: hidden_size / num_heads)
+  rope_theta: float = 10_000.0
+  rope_scaling: tuple = ()       # HF's rope_scaling as sorted (key, value) pairs; () none
+  tie_embeddings: bool = True    # llama: the output embedding is wte (else `lm_head`)
+  attention_bias: bool = False   # llama: q/k/v projections with biases (Qwen2; Llama's option)
+  attention_out_bias: bool = False  # llama: o_proj with a bias too (Llama's attention_bias)
+  sliding_window: int = 0        # llama: a token reads at most this many (0: all; Mistral)
+  zero_init_cca: bool = False    # CCA's output projection starts at 0: a RETROfit starts as
+                                 # exactly the pre-trained decoder
 
   def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"Unknown decoder family {self.family!r}: use one of {FAMILIES}.")
+    if self.num_heads % self.kv_heads:
+      raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                       f"{self.kv_heads}.")
     bad = [l for l in self.cca_layers if not 1 <= l <= self.num_layers]
     if bad:
       raise ValueError(f"CCA layers {bad} are outside the decoder's layers 1..{self.num_layers}.")
-    for name in ("hidden_size", "encoder_width"):
+    for name in ("hidden_size", "encoder_width")[self.family == "llama":]:
       if getattr(self, name) % self.num_heads:
         raise ValueError(f"{name} {getattr(self, name)} is not divisible by num_heads "
                          f"{self.num_heads}.")
@@ -71,6 +94,17 @@ class RetroConfig:
   @property
   def retrieval(self) -> bool:
     return bool(self.cca_layers)
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def attention_head_dim(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_heads
+
+
+FAMILIES = ("gpt2", "llama")
 
 
 def cca_layers(num_layers: int, start: int = 6, every: int = 3) -> tuple[int, ...]:
@@ -88,6 +122,37 @@ def _dense(c: RetroConfig, features: int, name: str) -> nn.Dense:
 def _layer_norm(c: RetroConfig, name: str) -> nn.LayerNorm:
   return nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32,
                       name=name)
+
+
+def _decoder_norm(c: RetroConfig, name: str) -> nn.Module:
+  """The decoder's own normalisation (ln_1, ln_2, ln_cca, ln_f): GPT-2's LayerNorm or Llama's
+  RMSNorm; the neighbour encoder keeps LayerNorm in both families."""
+  return RMSNorm(c.layer_norm_eps, name=name) if c.family == "llama" else _layer_norm(c, name)
+
+
+def token_positions(length: int, segments: Array | None) -> Array:
+  """Each token's position within its document: [B, L] (0 at each change of `segments`), or
+  [1, L] = 0 .. L - 1 without segments."""
+  places = jnp.arange(length)
+  if segments is None:
+    return places[None]
+  starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool),
+                            segments[:, 1:] != segments[:, :-1]], axis=1)
+  return places - jax.lax.cummax(jnp.where(starts, places, 0), axis=1)
+
+
+def attention_mask(length: int, segments: Array | None, sliding_window: int = 0) -> Array:
+  """Which keys each query reads: [B or 1, L, L] bool. Causal; with `segments` [B, L] (each
+  token's document, -1 padding) only keys of the query's own document; with `sliding_window`
+  only the last that many."""
+  q, k = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
+  allowed = k <= q
+  if sliding_window:
+    allowed &= q - k < sliding_window
+  allowed = allowed[None]
+  if segments is not None:
+    allowed = allowed & (segments[:, :, None] == segments[:, None, :])
+  return allowed
 
 
 def _gelu(x: Array) -> Array:
@@ -136,13 +201,12 @@ class CausalSelfAttention(nn.Module):
   config: RetroConfig
 
   @nn.compact
-  def __call__(self, x: Array, deterministic: bool) -> Array:
+  def __call__(self, x: Array, allowed: Array, deterministic: bool) -> Array:
+    """x [B, L, H], allowed [B or 1, L, L] (`attention_mask`) -> [B, L, H]."""
     c = self.config
-    length = x.shape[-2]
     q, k, v = jnp.split(_dense(c, 3 * c.hidden_size, "c_attn")(x), 3, axis=-1)
     q, k, v = (_heads(t, c.num_heads) for t in (q, k, v))            # [B, N, L, Dh]
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    ctx = _merge(_attend(q, k, v, jnp.where(causal, 0.0, _NEG)))     # [B, L, H]
+    ctx = _merge(_attend(q, k, v, jnp.where(allowed[:, None], 0.0, _NEG)))   # [B, L, H]
     out = _dense(c, c.hidden_size, "c_proj")(ctx)
     return nn.Dropout(c.dropout)(out, deterministic=deterministic)
 
@@ -166,6 +230,7 @@ class CrossAttention(nn.Module):
   keys are all masked gets 0."""
   config: RetroConfig
   width: int
+  zero_out: bool = False  # the output projection starts at 0
 
   @nn.compact
   def __call__(self, x: Array, memory: Array, key_mask: Array, bias: Array) -> Array:
@@ -175,7 +240,9 @@ class CrossAttention(nn.Module):
     k, v = _heads(k, c.num_heads), _heads(v, c.num_heads)
     mask = key_mask[..., None, None, :]                               # [..., 1, 1, K]
     ctx = _merge(_attend(q, k, v, bias + jnp.where(mask, 0.0, _NEG)))    # [..., Q, H]
-    out = _dense(c, x.shape[-1], "out")(ctx)
+    init = nn.initializers.zeros if self.zero_out else nn.initializers.normal(c.initializer_range)
+    out = nn.Dense(x.shape[-1], dtype=c.compute_dtype, param_dtype=jnp.float32,
+                   kernel_init=init, name="out")(ctx)
     return jnp.where(key_mask.any(-1)[..., None, None], out, 0)
 
 
@@ -225,11 +292,13 @@ class NeighbourEncoder(nn.Module):
 class ChunkedCrossAttention(nn.Module):
   """x [B, L, H] attends the encoded neighbours E [B, C, K, R, H] (mask [B, C, K, R]) chunk by
   chunk, shifted by m - 1: token t (t >= m - 1) reads the neighbours of chunk (t - m + 1) // m,
-  the last chunk complete at t; tokens 0 .. m - 2 get 0. Returns [B, L, H]."""
+  the last chunk complete at t; tokens 0 .. m - 2 get 0. With `segments` [B, L] (each token's
+  document), a token reads only the neighbours of a chunk of its own document. Returns [B, L, H]."""
   config: RetroConfig
 
   @nn.compact
-  def __call__(self, x: Array, encoded: Array, mask: Array) -> Array:
+  def __call__(self, x: Array, encoded: Array, mask: Array, segments: Array | None = None,
+               deterministic: bool = True) -> Array:
     c = self.config
     b, length, h = x.shape
     m, (num_chunks, k, r) = c.chunk_length, encoded.shape[1:4]
@@ -242,37 +311,49 @@ class ChunkedCrossAttention(nn.Module):
     bias = RelativeBias(c.num_heads, m - 1, r - 1, name="bias")(jnp.arange(m), jnp.arange(r))
     bias = jnp.tile(bias, (1, 1, k))                                   # [N, m, K*R]
     key_mask = mask.reshape(b, num_chunks, k * r)
-    out = CrossAttention(c, c.hidden_size, name="attn")(queries, memory, key_mask,
-                                                        bias)          # [B, C, m, H]
+    out = CrossAttention(c, c.hidden_size, zero_out=c.zero_init_cca, name="attn")(
+        queries, memory, key_mask, bias)                               # [B, C, m, H]
+    if segments is not None:
+      query_docs = jnp.pad(segments[:, m - 1:], ((0, 0), (0, m - 1)), constant_values=-1)
+      own = query_docs.reshape(b, num_chunks, m) == segments[:, ::m, None]    # [B, C, m]
+      out = jnp.where(own[..., None], out, 0)
     out = out.reshape(b, num_chunks * m, h)[:, :length - (m - 1)]
     out = jnp.pad(out, ((0, 0), (m - 1, 0), (0, 0)))
-    return nn.Dropout(c.dropout)(out, deterministic=True)
+    return nn.Dropout(c.dropout)(out, deterministic=deterministic)
 
 
 class DecoderBlock(nn.Module):
-  """GPT-2's block, with CCA between attention and feed-forward when `cca` (pre-LayerNorm
-  residuals). The first CCA block (`encode`) also runs the neighbour encoder on its activations.
-  Returns (x, encoded neighbours, the feed-forward block's normalised input)."""
+  """The decoder family's block (GPT-2's or Llama's, pre-norm residuals), with CCA between
+  attention and feed-forward when `cca`. The first CCA block (`encode`) also runs the neighbour
+  encoder on its activations. Returns (x, encoded neighbours, the feed-forward block's normalised
+  input)."""
   config: RetroConfig
   cca: bool = False
   encode: bool = False
 
   @nn.compact
-  def __call__(self, x: Array, neighbours: Array | None, mask: Array | None,
-               encoded: Array | None, deterministic: bool):
-    """x [B, L, H]; neighbours: their word embeddings [B, C, K, R, H] and mask [B, C, K, R]."""
+  def __call__(self, x: Array, allowed: Array, positions: Array, segments: Array | None,
+               neighbours: Array | None, mask: Array | None, encoded: Array | None,
+               deterministic: bool):
+    """x [B, L, H]; allowed [B or 1, L, L] (`attention_mask`); positions [B or 1, L] (within
+    each document, `token_positions`); segments [B, L] or None; neighbours: their word
+    embeddings [B, C, K, R, H] and mask [B, C, K, R]."""
     c = self.config
-    x = x + CausalSelfAttention(c, name="attn")(
-        _layer_norm(c, "ln_1")(x).astype(x.dtype), deterministic)
+    h = _decoder_norm(c, "ln_1")(x).astype(x.dtype)
+    if c.family == "llama":
+      x = x + GroupedQueryAttention(c, name="attn")(h, allowed, positions, deterministic)
+    else:
+      x = x + CausalSelfAttention(c, name="attn")(h, allowed, deterministic)
     if self.cca and neighbours is not None:
       b, length, h = x.shape
       if self.encode:
         chunks = x.reshape(b, length // c.chunk_length, c.chunk_length, h)
         encoded = NeighbourEncoder(c, name="encoder")(neighbours, mask, chunks, deterministic)
       x = x + ChunkedCrossAttention(c, name="cca")(
-          _layer_norm(c, "ln_cca")(x).astype(x.dtype), encoded, mask)
-    ffn_in = _layer_norm(c, "ln_2")(x).astype(x.dtype)
-    return x + Mlp(c, name="mlp")(ffn_in, deterministic), encoded, ffn_in
+          _decoder_norm(c, "ln_cca")(x).astype(x.dtype), encoded, mask, segments, deterministic)
+    ffn_in = _decoder_norm(c, "ln_2")(x).astype(x.dtype)
+    mlp = (SwiGLU if c.family == "llama" else Mlp)(c, name="mlp")
+    return x + mlp(ffn_in, deterministic), encoded, ffn_in
 
 
 class RetroModel(nn.Module):
@@ -281,13 +362,16 @@ class RetroModel(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: Array, neighbours: Array | None = None,
-               deterministic: bool = True, return_hidden: bool = False):
+               deterministic: bool = True, return_hidden: bool = False,
+               segments: Array | None = None):
     """Next-token logits (float32) for every position of `tokens` [B, L].
 
     neighbours: [B, C, K, R] token ids, C = L / m chunks, K neighbours of R tokens each; pad_id
       marks padding. None: no retrieval (the same model with its CCA layers skipped).
-    return_hidden: also return the input of the last feed-forward block after its LayerNorm,
-      [B, L, H] (kNN-LM's keys).
+    return_hidden: also return the input of the last feed-forward block after its LayerNorm
+      (RMSNorm for llama), [B, L, H] (kNN-LM's keys).
+    segments: [B, L] int, each token's document (-1: padding), or None: one document. A token
+      attends only to tokens, and reads only neighbours of chunks, of its own document.
     """
     c = self.config
     length = tokens.shape[-1]
@@ -305,20 +389,32 @@ class RetroModel(nn.Module):
     init = nn.initializers.normal(c.initializer_range)
     wte = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.compute_dtype, param_dtype=jnp.float32,
                    embedding_init=init, name="wte")
-    wpe = nn.Embed(c.max_length, c.hidden_size, dtype=c.compute_dtype, param_dtype=jnp.float32,
-                   embedding_init=init, name="wpe")
-    x = wte(tokens) + wpe(jnp.arange(length))
+    # An id past the vocabulary is padding (a tokenizer without a spare special token pads with
+    # it, text/lm_tokenizer.py): masked everywhere, embedded as id 0 so that nothing is NaN.
+    in_vocab = lambda ids: jnp.where(ids < c.vocab_size, ids, 0)
+    x = wte(in_vocab(tokens))
+    positions = token_positions(length, segments)                     # [B or 1, L]
+    if c.family == "gpt2":
+      x = x + nn.Embed(c.max_length, c.hidden_size, dtype=c.compute_dtype,
+                       param_dtype=jnp.float32, embedding_init=init, name="wpe")(positions)
     x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
     embedded = mask = None
     if neighbours is not None and c.retrieval:
-      embedded, mask = wte(neighbours), neighbours != c.pad_id        # [B, C, K, R, H]
-    block = nn.remat(DecoderBlock, static_argnums=(5,)) if c.remat else DecoderBlock
+      embedded, mask = wte(in_vocab(neighbours)), neighbours != c.pad_id   # [B, C, K, R, H]
+    allowed = attention_mask(length, segments, c.sliding_window)
+    block = nn.remat(DecoderBlock, static_argnums=(8,)) if c.remat else DecoderBlock
     encoded, first = None, min(c.cca_layers, default=0)
     for i in range(c.num_layers):
       x, encoded, hidden = block(c, cca=i + 1 in c.cca_layers, encode=i + 1 == first,
-                                 name=f"h_{i}")(x, embedded, mask, encoded, deterministic)
-    x = _layer_norm(c, "ln_f")(x)
-    logits = wte.attend(x.astype(c.compute_dtype)).astype(jnp.float32)
+                                 name=f"h_{i}")(x, allowed, positions, segments, embedded, mask,
+                                                encoded, deterministic)
+    x = _decoder_norm(c, "ln_f")(x).astype(c.compute_dtype)
+    if c.tie_embeddings:
+      logits = wte.attend(x)
+    else:
+      logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
+                        param_dtype=jnp.float32, kernel_init=init, name="lm_head")(x)
+    logits = logits.astype(jnp.float32)
     return (logits, hidden) if return_hidden else logits
 
 
