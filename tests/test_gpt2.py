@@ -13,7 +13,7 @@ from flax import traverse_util
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from realm_jax.checkpoints import gpt2  # noqa: E402
+from realm_jax.checkpoints import decoder as decoders, gpt2  # noqa: E402
 from realm_jax.checkpoints.hf import CheckpointError  # noqa: E402
 from realm_jax.models.retro import RetroConfig, RetroModel  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_baseline_matches_hf(checkpoint, inputs):
   tokens, _ = inputs
   model = RetroModel(RetroConfig(**gpt2.decoder_settings(directory, FLAG), cca_layers=()))
   params = model.init(jax.random.key(0), tokens)["params"]
-  params = gpt2.retrofit(params, gpt2.load_decoder(directory, FLAG), FLAG)
+  params = decoders.retrofit(params, gpt2.load_decoder(directory, FLAG), FLAG)
   assert _max_error(model.apply({"params": params}, tokens), _hf_logits(hf, tokens)) <= ATOL
 
 
@@ -75,7 +75,7 @@ def test_retro_matches_hf_without_neighbours(checkpoint, inputs):
   model = RetroModel(config)
   init = model.init(jax.random.key(1), tokens, neighbours)["params"]
   decoder = gpt2.load_decoder(directory, FLAG)
-  params = gpt2.retrofit(init, decoder, FLAG)
+  params = decoders.retrofit(init, decoder, FLAG)
 
   # The decoder arrays are the checkpoint's, the CCA and encoder ones stay as initialised.
   flat, flat_init = traverse_util.flatten_dict(params), traverse_util.flatten_dict(init)
@@ -103,10 +103,10 @@ def test_is_decoder_param_marks_the_gpt2_arrays(checkpoint, inputs):
   shapes = jax.eval_shape(RetroModel(config).init, jax.random.key(0), tokens, neighbours)
   flat = traverse_util.flatten_dict(shapes["params"])
   decoder = set(traverse_util.flatten_dict(gpt2.load_decoder(directory, FLAG)))
-  assert {p for p in flat if gpt2.is_decoder_param(p)} == decoder
+  assert {p for p in flat if decoders.is_decoder_param(p)} == decoder
   assert {p[1] for p in set(flat) - decoder} == {"cca", "ln_cca", "encoder"}
   # jax key paths (with the "params" collection in front) say the same.
-  marks = jax.tree_util.tree_map_with_path(lambda p, _: gpt2.is_decoder_param(p), shapes)
+  marks = jax.tree_util.tree_map_with_path(lambda p, _: decoders.is_decoder_param(p), shapes)
   assert {p for p, v in traverse_util.flatten_dict(marks["params"]).items() if v} == decoder
 
 
@@ -189,7 +189,7 @@ def test_retrofit_refuses_another_decoder(checkpoint, inputs):
     model = RetroModel(RetroConfig(**{**settings, **change}))
     params = model.init(jax.random.key(0), inputs[0])["params"]
     with pytest.raises(CheckpointError, match=f"{FLAG}.*{message}"):
-      gpt2.retrofit(params, decoder, FLAG)
+      decoders.retrofit(params, decoder, FLAG)
 
 
 def test_tokenizer_file(checkpoint, tmp_path):

@@ -2,8 +2,8 @@
 
     settings = decoder_settings(directory)          # RetroConfig fields, from config.json only
     model = RetroModel(RetroConfig(**settings, cca_layers=(6, 9, 12)))
-    params = retrofit(model.init(rng, tokens, neighbours)["params"], load_decoder(directory))
-    frozen = jax.tree_util.tree_map_with_path(lambda p, _: is_decoder_param(p), params)
+    params = decoder.retrofit(model.init(rng, tokens, neighbours)["params"],
+                              load_decoder(directory))     # realm_jax/checkpoints/decoder.py
 
 A checkpoint is a local or gs:// directory with config.json and model.safetensors (e.g.
 `GPT2LMHeadModel.from_pretrained("gpt2").save_pretrained(dir, safe_serialization=True)`), read
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from realm_jax.checkpoints.hf import CheckpointError, no_safetensors, overlay, read_state_dict
+from realm_jax.checkpoints.hf import CheckpointError, no_safetensors, read_state_dict
 from realm_jax.io_utils import as_path
 from realm_jax.models.retro import RetroConfig, RetroModel
 
@@ -40,8 +40,6 @@ _HF_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, 
 _REQUIRED = dict(activation_function="gelu_new", scale_attn_weights=True,
                  scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
                  tie_word_embeddings=True)
-# Subtrees that RETRO adds to the decoder; every other parameter is GPT-2's.
-_RETRIEVAL = frozenset({"encoder", "cca", "ln_cca"})
 
 
 def _hf_config(directory: str, flag: str) -> dict:
@@ -150,32 +148,6 @@ def load_decoder(directory: str, flag: str = "--config.init") -> dict:
                             "with them.")
     flat[path] = np.ascontiguousarray(state[key], dtype=np.float32)
   return traverse_util.unflatten_dict(flat)
-
-
-def is_decoder_param(path) -> bool:
-  """Whether the parameter at `path` is one of the GPT-2 decoder's (everything but the neighbour
-  encoder and the CCA layers' `cca` and `ln_cca`): `path` is a tuple of names as
-  `traverse_util.flatten_dict` gives, or a key path as `jax.tree_util.tree_map_with_path` gives."""
-  return not any(getattr(p, "key", p) in _RETRIEVAL for p in path)
-
-
-def retrofit(params: dict, decoder: dict, flag: str = "--config.init") -> dict:
-  """`params` of a RetroModel (with or without CCA layers) whose decoder parameters are replaced
-  by `decoder` (`load_decoder`'s), each cast to its dtype in `params`; the CCA and encoder
-  arrays are kept. The model must have the checkpoint's sizes (`decoder_settings`).
-
-  Raises a CheckpointError naming `flag` when the decoder parameters of the two differ in name
-  (e.g. in the number of layers) or shape.
-  """
-  have = {p for p in traverse_util.flatten_dict(params) if is_decoder_param(p)}
-  loaded = set(traverse_util.flatten_dict(decoder))
-  if have != loaded:
-    diff = sorted("/".join(p) for p in have ^ loaded)
-    listed = ", ".join(diff[:4]) + (", ..." if len(diff) > 4 else "")
-    raise CheckpointError(
-        f"{flag}: the model's decoder and the checkpoint's differ in {len(diff)} parameters "
-        f"({listed}): build the model's RetroConfig with the checkpoint's decoder_settings.")
-  return overlay(params, decoder, flag)
 
 
 def tokenizer_file(directory: str) -> str | None:
