@@ -15,8 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from realm_jax.data.chunks import (chunk_documents, chunk_values, excluded_chunk_ranges,
-                                   is_heldout)
+from realm_jax.data.chunks import (NearDuplicates, chunk_documents, chunk_values, decode_record,
+                                   excluded_chunk_ranges, is_heldout, record_layout, text_docs,
+                                   write_sequences)
 from realm_jax.data.retro_batches import retro_batches
 from realm_jax.data.sources import documents
 from realm_jax.retrieval.chunk_db import MANIFEST, RetroDb, build_database
@@ -47,62 +48,216 @@ def db(tmp_path_factory):
   return build_database(_config(), str(tmp_path_factory.mktemp("retro") / "db"))
 
 
-def test_stream_is_eos_and_documents_and_split_is_stable(db):
+def _jaccard(a: str, b: str) -> float:
+  """Word 13-gram Jaccard similarity, written out: lowercased words split on whitespace, a text of
+  fewer than 13 words one gram of all its words."""
+  def grams(text):
+    w = text.lower().split()
+    return {tuple(w)} if len(w) < 13 else {tuple(w[i:i + 13]) for i in range(len(w) - 12)}
+  a, b = grams(a), grams(b)
+  return len(a & b) / len(a | b) if a | b else 0.0
+
+
+def _sides(docs, percent):
+  """The split of each document, the hash written out: SHA-256 of the title, per ten thousand."""
+  def held(d):
+    h = int.from_bytes(hashlib.sha256(d["title"].encode()).digest()[:8], "big")
+    return h % 10_000 < percent * 100
+  return {"train": [d for d in docs if not held(d)], "heldout": [d for d in docs if held(d)]}
+
+
+def _pieces(stream, docs, eos):
+  """Each document's place, by a plain loop over the stream: [(first, last)] positions of the
+  tokens of document 0, 1, ...; every other token must be padding."""
+  places = {}
+  for t, d in enumerate(docs.tolist()):
+    if d >= 0:
+      first, _ = places.get(d, (t, t))
+      places[d] = (first, t)
+  assert sorted(places) == list(range(len(places)))
+  for first, last in places.values():  # contiguous: the eos, then the text
+    assert (docs[first:last + 1] == docs[first]).all() and stream[first] == eos
+  return [places[d] for d in range(len(places))]
+
+
+def test_title_split_whole_documents_in_chunks_and_sequences(db):
   tok = db.tokenizer
   docs = list(documents("wiki_vital", max_docs=SETTINGS["max_docs"]))
-  sides = {"train": [], "heldout": []}
-  for d in docs:  # the hash written out again: SHA-256 of title \0 where, per ten thousand
-    h = int.from_bytes(hashlib.sha256(f"{d['title']}\0{d['where']}".encode()).digest()[:8], "big")
-    sides["heldout" if h % 10_000 < 1000 else "train"].append(d)
+  sides = _sides(docs, 10)
   assert sides["train"] and sides["heldout"]
+  dropped = [d for d in sides["train"]
+             if max(_jaccard(d["text"], h["text"]) for h in sides["heldout"]) >= 0.8]
+  assert db.manifest["counts"]["near_duplicates"] == len(dropped)
+  sides["train"] = [d for d in sides["train"] if d not in dropped]
+  assert tok.pad_id != tok.eos_id
+  seen = set()  # which rules of the packing the documents met
   for split, split_docs in sides.items():
     ids = tok.encode_batch([d["text"] for d in split_docs])
-    want = [tok.eos_id] + [t for x in ids for t in x + [tok.eos_id]]
-    want_docs = [-1] + [i for i, x in enumerate(ids) for _ in range(len(x) + 1)]
-    stream, doc_of = db.array(split, "stream"), db.array(split, "docs")
-    sequences = -(-(len(want) - 1) // L)
-    assert len(stream) == len(doc_of) == sequences * L + 1 == db.num_sequences(split) * L + 1
-    # The chunks, end to end, are the stream; then padding only.
-    chunks = stream[:db.num_chunks(split) * M].reshape(-1, M)
-    np.testing.assert_array_equal(np.concatenate([chunks.ravel(), stream[-1:]])[:len(want)], want)
-    assert (stream[len(want):] == tok.pad_id).all()
-    np.testing.assert_array_equal(doc_of[:len(want)], want_docs)
-    assert (doc_of[len(want):] == -1).all()
+    stream, doc_of = np.asarray(db.array(split, "stream")), np.asarray(db.array(split, "docs"))
+    assert len(stream) == len(doc_of) == db.num_sequences(split) * L + 1
+    places = _pieces(stream, doc_of, tok.eos_id)
+    assert len(places) == len(split_docs)
+    end = 0  # where the previous document's last chunk ends
+    for d, ((first, last), x) in enumerate(zip(places, ids)):
+      np.testing.assert_array_equal(stream[first + 1:last + 1], x)    # [eos] + its text
+      piece = -(-(len(x) + 1) // M) * M
+      left = -end % L
+      # It starts at the next chunk; the next sequence when it fits in one but not in what is left.
+      assert first == (end + left if left and left < piece <= L else end), d
+      if piece <= L:  # whole in one sequence, from its eos
+        assert first // L == last // L
+      seen.add("longer" if piece > L else "next sequence" if first > end else "after another")
+      assert (stream[end:first] == tok.pad_id).all() and (doc_of[end:first] == -1).all()
+      end = first + piece
+    assert (stream[end:] == tok.pad_id).all() and (doc_of[end:] == -1).all()
+    assert len(stream) == -(-end // L) * L + 1
+    # No chunk holds tokens of two documents.
+    chunks = doc_of[:db.num_chunks(split) * M].reshape(-1, M)
+    assert all(len(set(c.tolist()) - {-1}) <= 1 for c in chunks)
     meta = db.documents(split)
     assert [(x["title"], x["where"]) for x in meta] == [(d["title"], d["where"])
                                                         for d in split_docs]
-    assert [m["bytes"] for m in meta] == [len(d["text"].encode()) + 1 for d in split_docs]
-    assert [m["tokens"] for m in meta] == [len(x) + 1 for x in ids]
-  # Disjoint, and each document's side depends on itself only: not on order, nor on max_docs.
-  assert not {d["where"] for d in sides["train"]} & {d["where"] for d in sides["heldout"]}
-  assert all(is_heldout(d["title"], d["where"], 10) == (d in sides["heldout"]) for d in docs)
-  fewer, _ = chunk_documents(reversed(docs[:30]), tok, M, N, 10)
+    assert [m["bytes"] for m in meta] == [len(d["text"].encode("utf-8")) for d in split_docs]
+    assert [m["tokens"] for m in meta] == [len(x) for x in ids]
+  assert seen == {"longer", "next sequence", "after another"}
+  # Disjoint, and each document's side depends on its title only: not on order, nor on max_docs.
+  assert not {d["title"] for d in sides["train"]} & {d["title"] for d in sides["heldout"]}
+  assert all(is_heldout(d["title"], 10) == (d in sides["heldout"]) for d in docs)
+  fewer, _ = chunk_documents(lambda: reversed(docs[:30]), tok, M, N, 10)
   for split in sides:
     assert ({d["where"] for d in fewer[split].documents}
             == {d["where"] for d in sides[split] if d in docs[:30]})
 
 
-def test_small_stream_by_hand(db):
-  """Three documents (one without text), m = 2, 2 chunks per sequence, all in train."""
-  tok = db.tokenizer
-  texts = ["paris is big", "", "rome"]
-  ids = tok.encode_batch(texts)
-  assert [len(x) for x in ids] == [3, 0, 1]
-  docs = [{"title": t, "text": x, "where": f"doc {i}"}
-          for i, (t, x) in enumerate(zip("ABC", texts))]
-  splits, stats = chunk_documents(docs, tok, 2, 2, heldout_percent=0)
-  e, p = tok.eos_id, tok.pad_id
+def test_small_stream_by_hand(tmp_path):
+  """m = 2, 2 chunks per sequence (L = 4), a tokenizer of one token per word whose pad (1) is not
+  its eos (2): a document that fits in a sequence, one longer than a sequence, one that does not fit
+  in what is left, one without text."""
+  tok = load_lm_tokenizer(_word_level(tmp_path), "")
+  e, p, the, cat, sat = 2, 1, 3, 4, 5
+  assert (tok.eos_id, tok.pad_id) == (e, p)
+  texts = ["the", "the cat sat the cat sat", "", "cat", "sat  the", "cat cat"]
+  docs = [{"title": chr(65 + i), "text": x, "where": f"doc {i}"} for i, x in enumerate(texts)]
+  splits, stats = chunk_documents(lambda: docs, tok, 2, 2, heldout_percent=0)
   s = splits["train"]
-  np.testing.assert_array_equal(s.stream, [e, *ids[0], e, *ids[2], e, p, p])
-  np.testing.assert_array_equal(s.docs, [-1, 0, 0, 0, 0, 1, 1, -1, -1])
-  assert [(d["title"], d["bytes"], d["tokens"]) for d in s.documents] == [("A", 13, 4), ("C", 5, 2)]
-  assert stats["skipped"] == 1 and stats["skipped_examples"] == ["doc 1"]
-  assert len(splits["heldout"].stream) == 1 and (s.num_sequences, s.num_chunks) == (2, 4)
-  # Sequence 0 reads doc A only (chunks 0-2 hold it); sequence 1 reads A and C (chunks 0-3).
+  np.testing.assert_array_equal(s.stream, [e, the, e, the,   cat, sat, the, cat,
+                                           sat, p, e, cat,   e, sat, the, p,
+                                           e, cat, cat, p,   p])
+  np.testing.assert_array_equal(s.docs, [0, 0, 1, 1,   1, 1, 1, 1,   1, -1, 2, 2,
+                                         3, 3, 3, -1,   4, 4, 4, -1,   -1])
+  np.testing.assert_array_equal(text_docs(s.docs), [-1, 0, -1, 1,   1, 1, 1, 1,   1, -1, -1, 2,
+                                                    -1, 3, 3, -1,   -1, 4, 4, -1,   -1])
+  assert [(d["title"], d["bytes"], d["tokens"]) for d in s.documents] == [
+      ("A", 3, 1), ("B", 23, 6), ("D", 3, 1), ("E", 8, 2), ("F", 7, 2)]
+  assert stats["skipped"] == 1 and stats["skipped_examples"] == ["doc 2"]
+  assert stats["near_duplicates"] == 0
+  assert len(splits["heldout"].stream) == 1 and (s.num_sequences, s.num_chunks) == (5, 10)
+  # Sequence 0 reads A and B (chunks 0-4), 1 reads B, 2 reads B and D (chunks 1-5), 3 E, 4 F.
   np.testing.assert_array_equal(excluded_chunk_ranges(s.docs, 2, 2),
-                                [[0, 2], [0, 2], [0, 3], [0, 3]])
-  np.testing.assert_array_equal(chunk_values(s.stream, [[1, 3, -1]], 2, 4, p),
-                                [[[ids[0][1], ids[0][2], e, ids[2][0]], [e, p, p, p], [p] * 4]])
+                                np.repeat([[0, 4], [1, 4], [1, 5], [6, 7], [8, 9]], 2, axis=0))
+  # Continuations: B's chunk 1 -> 2 (over a sequence's end); none after B's last chunk (4), after
+  # D (the next chunk is E's), after F's (padding), nor after the last chunk.
+  np.testing.assert_array_equal(
+      chunk_values(s.stream, s.docs, [[1, 4, 5, 8, 9, -1]], 2, 10, p),
+      [[[e, the, cat, sat], [sat, p, p, p], [e, cat, p, p], [e, cat, cat, p], [cat, p, p, p],
+        [p] * 4]])
+  # Sequence 2's record: inputs, targets, their documents.
+  layout = record_layout(2, 2, 1)
+  path = str(tmp_path / "train.array_record")
+  write_sequences(path, stream=s.stream, docs=s.docs, neighbours=np.full((10, 1), 6),
+                  train_stream=s.stream, train_docs=s.docs, num_train=10, chunk_length=2,
+                  seq_chunks=2, pad_id=p)
+  import grain
+  r = decode_record(grain.sources.ArrayRecordDataSource(path)[2], layout)
+  np.testing.assert_array_equal(r["inputs"], [sat, p, e, cat])
+  np.testing.assert_array_equal(r["targets"], [p, e, cat, e])
+  np.testing.assert_array_equal(r["input_docs"], [1, -1, 2, 2])
+  np.testing.assert_array_equal(r["target_docs"], [-1, -1, 2, -1])
+  np.testing.assert_array_equal(r["neighbours"], [[[e, sat, the, p]]] * 2)
+
+
+def _titled_jsonl(path, rows):
+  with open(path, "w", encoding="utf-8") as f:
+    for title, text in rows:
+      f.write(json.dumps({"title": title, "text": text}) + "\n")
+
+
+def test_passages_of_one_title_share_a_split(tmp_path):
+  tok = load_lm_tokenizer(_word_level(tmp_path), "")
+  rng = np.random.default_rng(0)
+  words = [f"w{i}" for i in range(50)] + ["the", "cat", "sat"]
+  rows = [(f"Title {t}", " ".join(rng.choice(words, 30))) for t in range(20) for _ in range(3)]
+  rng.shuffle(rows)  # passages of one title on lines far apart
+  path = str(tmp_path / "passages.jsonl")
+  _titled_jsonl(path, rows)
+  splits, stats = chunk_documents(lambda: documents("jsonl", [path]), tok, 4, 2, 50)
+  side = {}
+  for split, s in splits.items():
+    for d in s.documents:
+      side.setdefault(d["title"], set()).add(split)
+  assert stats["near_duplicates"] == 0 and sum(len(s.documents) for s in splits.values()) == 60
+  assert all(len(x) == 1 for x in side.values()) and len(side) == 20
+  assert {next(iter(x)) for x in side.values()} == {"train", "heldout"}
+  assert all((side[t] == {"heldout"}) == is_heldout(t, 50) for t in side)
+  # Untitled passages: each its own group (by its place), not all on one side.
+  _titled_jsonl(path, [("", text) for _, text in rows])
+  splits, _ = chunk_documents(lambda: documents("jsonl", [path]), tok, 4, 2, 50)
+  assert all(len(s.documents) > 10 for s in splits.values())
+
+
+def test_train_documents_nearly_copying_a_heldout_one_are_dropped(tmp_path):
+  tok = load_lm_tokenizer(_word_level(tmp_path), "")
+  rng = np.random.default_rng(1)
+  vocab = [f"w{i}" for i in range(300)]
+  held_titles = [t for t in (f"T{i}" for i in range(200)) if is_heldout(t, 50)]
+  train_titles = iter(t for t in (f"T{i}" for i in range(200)) if not is_heldout(t, 50))
+  heldout = [" ".join(rng.choice(vocab, 200)), "Paris is big", " ".join(rng.choice(vocab, 40))]
+  words = heldout[0].split()
+
+  def changed(n):  # heldout[0] with n words replaced, spread out
+    w = list(words)
+    for i in np.linspace(20, 180, n).astype(int):
+      w[i] = "other"
+    return " ".join(w)
+
+  train = [changed(1),                        # Jaccard 175 / 201: dropped
+           changed(3),                        # 149 / 227: kept
+           "  " + heldout[0].upper().replace(" ", "\n "),   # case and whitespace: 1, dropped
+           "paris IS  big",                   # under 13 words, the same words: dropped
+           "paris is big today",              # another single gram: kept
+           heldout[2] + " w1 w2 w3 w4",       # 28 of 32 grams: 0.875, dropped
+           heldout[2] + " " + " ".join(rng.choice(vocab, 20)),   # 28 / 48: kept
+           " ".join(rng.choice(vocab, 100))]  # unrelated: kept
+  docs = ([{"title": t, "text": x, "where": f"held {i}"}
+           for i, (t, x) in enumerate(zip(held_titles, heldout))]
+          + [{"title": next(train_titles), "text": x, "where": f"train {i}"}
+             for i, x in enumerate(train)])
+  splits, stats = chunk_documents(lambda: docs, tok, 4, 2, 50)
+  best = [max(_jaccard(x, h) for h in heldout) for x in train]
+  want_dropped = [i for i, j in enumerate(best) if j >= 0.8]
+  assert want_dropped == [0, 2, 3, 5]
+  assert stats["near_duplicates"] == 4
+  assert [d["where"] for d in splits["train"].documents] == [
+      f"train {i}" for i in range(len(train)) if i not in want_dropped]
+  assert stats["near_duplicate_examples"][0] == {"train": "train 0", "heldout": "held 0",
+                                                 "jaccard": round(175 / 201, 4)}
+  # The index's answer equals the brute force on random near-copies around the threshold.
+  near = NearDuplicates()
+  pool = [" ".join(rng.choice(vocab[:40], rng.integers(5, 80))) for _ in range(30)]
+  for text in pool:
+    near.add(text)
+  for _ in range(200):
+    base = pool[rng.integers(len(pool))].split()
+    for i in rng.integers(0, max(len(base), 1), rng.integers(0, 4)):
+      base[i] = str(rng.choice(vocab[:40]))
+    text = " ".join(base + list(rng.choice(vocab[:40], rng.integers(0, 4))))
+    scores = [_jaccard(text, h) for h in pool]
+    got = near.match(text)
+    if max(scores) >= 0.8:
+      assert got is not None and got[1] == pytest.approx(max(scores))
+      assert scores[got[0]] == pytest.approx(got[1])
+    else:
+      assert got is None
 
 
 def _reference_neighbours(keys, queries, query_docs, key_docs, k):
@@ -127,8 +282,10 @@ def test_neighbours_are_the_exact_search_without_own_documents(db):
   for split in ("train", "heldout"):
     queries, found = np.asarray(db.array(split, "keys")), np.asarray(db.array(split, "neighbours"))
     assert found.shape == (db.num_chunks(split), K) and found.dtype == np.int64
-    if split == "train":  # the documents sequence c // N reads or predicts
-      own = [set(train_docs[c // N * L:c // N * L + L + 1].tolist()) - {-1}
+    if split == "train":  # the documents sequence c // N reads, or predicts text of
+      predicted = np.asarray(text_docs(train_docs))
+      own = [(set(train_docs[c // N * L:c // N * L + L].tolist())
+              | set(predicted[c // N * L + 1:c // N * L + L + 1].tolist())) - {-1}
              for c in range(len(queries))]
     else:
       own = [set()] * len(queries)
@@ -149,14 +306,26 @@ def test_neighbours_are_the_exact_search_without_own_documents(db):
     np.testing.assert_allclose(bf_scores, ref_scores, atol=1e-5)
 
 
+def _values_by_loop(db, split):
+  """value(i): chunk i of a split and its continuation, from a plain loop over its documents: the
+  chunks each document covers, and the next one only when it is the same document's."""
+  stream, pad = np.asarray(db.array(split, "stream")), db.tokenizer.pad_id
+  places = _pieces(stream, np.asarray(db.array(split, "docs")), db.tokenizer.eos_id)
+  chunks_of = [set(range(first // M, last // M + 1)) for first, last in places]
+  doc_of_chunk = {c: d for d, cs in enumerate(chunks_of) for c in cs}
+  assert sum(len(c) for c in chunks_of) == len(doc_of_chunk)   # no chunk in two documents
+
+  def value(i):
+    same = i in doc_of_chunk and doc_of_chunk.get(i + 1) == doc_of_chunk[i]
+    nxt = stream[(i + 1) * M:(i + 2) * M] if same else np.full(M, pad)
+    return np.concatenate([stream[i * M:(i + 1) * M], nxt])
+  return value
+
+
 def test_records_are_stream_slices_and_neighbour_values(db):
-  train_stream, pad = np.asarray(db.train_stream), db.tokenizer.pad_id
-  n_train = db.num_chunks("train")
-
-  def value(i):  # the chunk and the next one of the train stream
-    nxt = train_stream[(i + 1) * M:(i + 2) * M] if i + 1 < n_train else np.full(M, pad)
-    return np.concatenate([train_stream[i * M:(i + 1) * M], nxt])
-
+  pad = db.tokenizer.pad_id
+  value = _values_by_loop(db, "train")
+  cut = 0  # neighbours whose next chunk is another document's: their continuation is pad
   for split in ("train", "heldout"):
     stream, docs = db.array(split, "stream"), db.array(split, "docs")
     neighbours = db.array(split, "neighbours")
@@ -164,13 +333,69 @@ def test_records_are_stream_slices_and_neighbour_values(db):
       r = db.read_sequence(split, s)
       np.testing.assert_array_equal(r["inputs"], stream[s * L:s * L + L])
       np.testing.assert_array_equal(r["targets"], stream[s * L + 1:s * L + L + 1])
-      np.testing.assert_array_equal(r["target_docs"], docs[s * L + 1:s * L + L + 1])
+      np.testing.assert_array_equal(r["input_docs"], docs[s * L:s * L + L])
+      # Scored: the targets that are text (not an eos, not padding), with their documents.
+      text = (docs[s * L + 1:s * L + L + 1] >= 0) & (docs[s * L + 1:s * L + L + 1]
+                                                      == docs[s * L:s * L + L])
+      np.testing.assert_array_equal(r["target_docs"],
+                                    np.where(text, docs[s * L + 1:s * L + L + 1], -1))
       np.testing.assert_array_equal(r["neighbour_ids"], neighbours[s * N:(s + 1) * N])
       want = np.stack([np.stack([value(i) for i in row]) for row in r["neighbour_ids"]])
       np.testing.assert_array_equal(r["neighbours"], want)
       np.testing.assert_array_equal(db.values(r["neighbour_ids"]), want)
+      cut += int((want[..., M:] == pad).all(-1).sum())
+  assert cut > 0
   assert (db.values(np.array([-1, -1])) == pad).all() and db.values(np.array(3)).shape == (2 * M,)
-  assert db.manifest["layout"]["fields"][3] == ["neighbours", [N, K, 2 * M]]
+  assert db.manifest["layout"]["fields"][4] == ["neighbours", [N, K, 2 * M]]
+  assert db.manifest["version"] == 2
+
+
+def test_bits_per_byte_counts_the_original_text_and_its_tokens(db):
+  """Over the held-out batches, the target bytes add up to the documents' UTF-8 text, and the
+  scored targets are their text tokens, each once."""
+  texts = {d["where"]: d["text"] for d in documents("wiki_vital", max_docs=SETTINGS["max_docs"])}
+  docs = db.documents("heldout")
+  ids = db.tokenizer.encode_batch([texts[d["where"]] for d in docs])
+  nbytes = np.zeros(len(docs))
+  scored = np.zeros(len(docs), np.int64)
+  for batch in retro_batches(db, "heldout", batch_size=3, seed=0, shuffle=False, num_epochs=1):
+    np.testing.assert_array_equal(batch["loss_mask"], batch["target_docs"] >= 0)
+    keep = batch["target_docs"] >= 0
+    np.add.at(nbytes, batch["target_docs"][keep], batch["target_bytes"][keep])
+    np.add.at(scored, batch["target_docs"][keep], 1)
+    assert (batch["target_bytes"][~keep] == 0).all()
+    assert (batch["targets"][keep] != db.tokenizer.pad_id).all()
+  want = [len(texts[d["where"]].encode("utf-8")) for d in docs]
+  np.testing.assert_allclose(nbytes, want, rtol=1e-5)
+  assert scored.tolist() == [len(x) for x in ids] == [d["tokens"] for d in docs]
+  counts = db.manifest["counts"]["heldout"]
+  assert (counts["bytes"], counts["tokens"]) == (sum(want), sum(len(x) for x in ids))
+
+
+def test_heldout_in_database_neighbours_the_leaky_condition(db):
+  """Every held-out chunk against the train and held-out chunks (exact, itself left out); values
+  from each neighbour's own stream, continuations inside its document."""
+  values, ids = db.heldout_in_database_neighbours(K)
+  n_train, n_held = db.num_chunks("train"), db.num_chunks("heldout")
+  assert values.shape == (n_held, K, 2 * M) and values.dtype == np.int32
+  assert ids.shape == (n_held, K)
+  train, held = db.indexed_chunks("train"), db.indexed_chunks("heldout")
+  keys = np.concatenate([db.array("train", "keys")[train], db.array("heldout", "keys")[held]])
+  all_ids = np.concatenate([train, n_train + held])
+  queries = np.asarray(db.array("heldout", "keys"), np.float64)
+  scores = queries @ keys.astype(np.float64).T
+  scores[all_ids[None] == n_train + np.arange(n_held)[:, None]] = -np.inf    # not itself
+  best = np.sort(scores, 1)[:, ::-1][:, :K]
+  every = np.concatenate([db.array("train", "keys"), db.array("heldout", "keys")])  # by id
+  got = np.einsum("qd,qkd->qk", queries, every[ids].astype(np.float64))
+  np.testing.assert_allclose(got, best, atol=1e-5)
+  assert (ids != n_train + np.arange(n_held)[:, None]).all()
+  assert (ids >= n_train).any()  # held-out chunks are found (e.g. their own document's)
+  by_loop = {"train": _values_by_loop(db, "train"), "heldout": _values_by_loop(db, "heldout")}
+  for q in range(n_held):
+    for j, i in enumerate(ids[q]):
+      split, c = ("heldout", i - n_train) if i >= n_train else ("train", i)
+      np.testing.assert_array_equal(values[q, j], by_loop[split](c))
 
 
 def test_keys_embed_the_chunk_text_as_the_build(db, tmp_path):
@@ -248,6 +473,13 @@ def test_refused_settings_and_models(db, tmp_path):
     f.write(b"\x7f")
   with pytest.raises(ValueError, match="train.neighbours.npy is corrupt"):
     RetroDb.open(copy)
+  # A build begun by another version of the code is refused, not mixed with this one's.
+  os.remove(os.path.join(copy, MANIFEST))
+  record = json.load(open(os.path.join(copy, "stage-chunks.json")))
+  with open(os.path.join(copy, "stage-chunks.json"), "w") as f:
+    json.dump({**record, "version": 1}, f)
+  with pytest.raises(ValueError, match=r"stages chunks\) made by another version.*delete"):
+    build_database(_config(), copy)
 
 
 def _batches(db, **kw):
@@ -268,9 +500,12 @@ def test_batches_host_slices_state_and_evaluation(db):
   assert b["inputs"].shape == (4, L) and b["neighbours"].shape == (4, N, 1, 2 * M)
   assert b["neighbour_ids"].shape == (4, N, 1) and b["loss_mask"].dtype == np.float32
   np.testing.assert_array_equal(b["loss_mask"], b["target_docs"] >= 0)
+  assert b["segments"].shape == (4, L) and b["segments"].dtype == np.int32
+  assert "input_docs" not in b
   first = db.read_sequence("train", 0)  # the stored first neighbour of each chunk
   ex = next(_batches(db, shuffle=False, num_neighbours=1))
   np.testing.assert_array_equal(ex["neighbours"][0], first["neighbours"][:, :1])
+  np.testing.assert_array_equal(ex["segments"][0], first["input_docs"])
   # get_state / set_state: a fresh iterator resumes exactly, past an epoch.
   it = _batches(db)
   for _ in range(db.num_sequences("train") // 4 + 2):

@@ -170,12 +170,14 @@ def test_one_entry_per_scored_train_token_keyed_by_the_hidden_state(db, exports,
   for i in np.random.default_rng(0).choice(len(places), 6, replace=False):
     s, t = places[i]
     seq = db.read_sequence("train", s)
-    nb = seq["neighbours"][None, :, :config.num_neighbours]
-    _, hidden = module.apply({"params": params}, seq["inputs"][None], nb, return_hidden=True)
+    nb, segments = seq["neighbours"][None, :, :config.num_neighbours], seq["input_docs"][None]
+    _, hidden = module.apply({"params": params}, seq["inputs"][None], nb, return_hidden=True,
+                             segments=segments)
     np.testing.assert_allclose(keys[i], np.asarray(hidden)[0, t], rtol=1e-5, atol=1e-5)
     assert store.values[i] == seq["targets"][t]
     if t >= db.chunk_length:   # past the first chunk the neighbours count: the key is RETRO's own
-      _, alone = module.apply({"params": params}, seq["inputs"][None], None, return_hidden=True)
+      _, alone = module.apply({"params": params}, seq["inputs"][None], None, return_hidden=True,
+                              segments=segments)
       assert np.abs(np.asarray(alone)[0, t] - keys[i]).max() > 1e-4
 
 
@@ -247,7 +249,7 @@ def test_the_evaluation_equals_a_recomputation_by_hand(db, exports, tmp_path):
   seq = db.read_sequence("heldout", 0)
   scored = seq["target_docs"] >= 0
   logits, hidden = RetroModel(config).apply({"params": params}, seq["inputs"][None], None,
-                                            return_hidden=True)
+                                            return_hidden=True, segments=seq["input_docs"][None])
   logp = jax.nn.log_softmax(np.asarray(logits)[0], -1)
   n = int(scored.sum())
   np.testing.assert_allclose(scores["nll"][:n], -np.asarray(logp)[scored, seq["targets"][scored]],

@@ -230,13 +230,15 @@ def _heldout_nll(export, db, retrieval):
   sequence, one at a time."""
   config, params, _ = retro_export.load(export)
   module = RetroModel(config)
-  apply = jax.jit(lambda p, t, n, y: token_nll(module.apply({"params": p}, t, n), y))
+  apply = jax.jit(lambda p, t, n, s, y: token_nll(module.apply({"params": p}, t, n, segments=s),
+                                                  y))
   per_doc = np.zeros(len(db.documents("heldout")))
   total, tokens = 0.0, 0
   for s in range(db.num_sequences("heldout")):
     r = db.read_sequence("heldout", s)
     nb = r["neighbours"][None, :, :config.num_neighbours] if retrieval else None
-    nll = np.asarray(apply(params, r["inputs"][None], nb, r["targets"][None])[0], np.float64)
+    nll = np.asarray(apply(params, r["inputs"][None], nb, r["input_docs"][None],
+                           r["targets"][None])[0], np.float64)
     scored = r["target_docs"] >= 0
     total, tokens = total + nll[scored].sum(), tokens + int(scored.sum())
     np.add.at(per_doc, r["target_docs"][scored], nll[scored])

@@ -2,7 +2,7 @@
 array_record files of a chunk database (realm_jax/retrieval/chunk_db.py).
 
     it = retro_batches(db, "train", batch_size=8, seed=0)
-    batch = next(it)  # inputs, targets, target_docs, loss_mask [B, L]; neighbours [B, n, k, 2m]
+    batch = next(it)  # inputs, segments, targets, target_docs, loss_mask [B, L]; neighbours ...
     state = it.get_state()  # JSON-serialisable: save it with the model checkpoint
 """
 
@@ -22,16 +22,19 @@ from realm_jax.retrieval.chunk_db import read_manifest
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSequence:
-  """grain map: one record -> its arrays, the first `num_neighbours` neighbours, loss_mask [L]
-  float32 = 1 where the target belongs to a document (not padding), and target_bytes [L] float32:
-  the target's share of its document's bytes (`byte_weights`[doc]; bits per byte = summed nats /
-  ln 2 / summed target_bytes)."""
+  """grain map: one record -> its arrays, the first `num_neighbours` neighbours, segments [L] int32
+  (the record's input_docs: each input's document, -1 for padding), loss_mask [L] float32 = 1 where
+  the target is a text token of a document (not an eos, not padding), and target_bytes [L]
+  float32: the target's share of its document's bytes (`byte_weights`[doc] = its UTF-8 bytes / its
+  text tokens: a document's scored targets add up to its bytes; bits per byte = summed nats / ln 2
+  / summed target_bytes)."""
   layout: dict
   num_neighbours: int
   byte_weights: np.ndarray = dataclasses.field(compare=False)
 
   def __call__(self, record: bytes) -> dict[str, np.ndarray]:
     ex = decode_record(record, self.layout)
+    ex["segments"] = ex.pop("input_docs")                                    # [L]
     ex["neighbours"] = ex["neighbours"][:, :self.num_neighbours]           # [n, k, 2m]
     ex["neighbour_ids"] = ex["neighbour_ids"][:, :self.num_neighbours]     # [n, k]
     scored = ex["target_docs"] >= 0
@@ -87,10 +90,12 @@ def retro_batches(db, split: str, *, batch_size: int, seed: int, shuffle: bool =
     limit: only the split's first `limit` sequences (e.g. a quick evaluation during training).
     read_options: grain.ReadOptions (default: 2 threads, 8 batches prefetched).
   Returns:
-    grain DatasetIterator of dicts of numpy arrays: inputs, targets, target_docs [B, L] int32;
-    loss_mask, target_bytes [B, L] float32; neighbours [B, n, k, 2m] int32 (each neighbour chunk and its
-    continuation); neighbour_ids [B, n, k] int32. `get_state()` is JSON-serialisable and
-    `set_state` on a fresh iterator with the same arguments resumes exactly.
+    grain DatasetIterator of dicts of numpy arrays: inputs, segments (each input's document, -1
+    for padding: attention stays inside a document), targets, target_docs (-1 unless scored)
+    [B, L] int32; loss_mask, target_bytes [B, L] float32; neighbours [B, n, k, 2m] int32 (each
+    neighbour chunk and its continuation in its document); neighbour_ids [B, n, k] int32.
+    `get_state()` is JSON-serialisable and `set_state` on a fresh iterator with the same
+    arguments resumes exactly.
   """
   directory = getattr(db, "directory", db)
   manifest = getattr(db, "manifest", None) or read_manifest(directory)

@@ -63,10 +63,10 @@ def check_settings(*, k: int, lambdas, temperatures, searcher: str, batch_size: 
 
 
 def dev_documents(documents: list[dict]) -> np.ndarray:
-  """[D] bool: whether each held-out document is in the dev half (SHA-256 of a salt, its title
-  and place; even first 8 bytes), the same on every machine whatever the other documents."""
+  """[D] bool: whether each held-out document is in the dev half (SHA-256 of a salt and its title
+  alone, so that passages of one title stay together; even first 8 bytes), the same on every machine whatever the other documents."""
   def dev(d):
-    digest = hashlib.sha256(f"{DEV_SALT}\0{d['title']}\0{d['where']}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{DEV_SALT}\0{d['title']}".encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") % 2 == 0
   return np.array([dev(d) for d in documents], bool)
 
@@ -77,8 +77,8 @@ def score_heldout(config, params, store: ds.Datastore, db, *, k: int, temperatur
   -log p(y)), log_knn [T, len(temperatures)] float32 (log p_kNN(y) at each temperature); and the
   seconds spent searching (the datastore's search and exact distances)."""
   module = RetroModel(config)
-  fn = jax.jit(lambda p, t, n, y: (lambda out: (token_nll(out[0], y), out[1]))(
-      module.apply({"params": p}, t, n, return_hidden=True)))
+  fn = jax.jit(lambda p, t, n, g, y: (lambda out: (token_nll(out[0], y), out[1]))(
+      module.apply({"params": p}, t, n, return_hidden=True, segments=g)))
   log_prob = jax.jit(knn_log_prob)
   docs, nll, log_knn, seconds = [], [], [], 0.0
   batches = retro_batches(db, "heldout", batch_size=batch_size, seed=0, shuffle=False,
@@ -86,7 +86,8 @@ def score_heldout(config, params, store: ds.Datastore, db, *, k: int, temperatur
   for batch in tqdm(batches, total=-(-db.num_sequences("heldout") // batch_size), desc=desc,
                     unit="batch"):
     token_nll_, hidden = fn(params, batch["inputs"],
-                            batch["neighbours"] if config.retrieval else None, batch["targets"])
+                            batch["neighbours"] if config.retrieval else None, batch["segments"],
+                            batch["targets"])
     scored = batch["target_docs"] >= 0
     targets = batch["targets"][scored]
     start = time.perf_counter()

@@ -4,9 +4,10 @@ neighbours, the same decoder with the neighbours removed (its CCA layers skipped
 baseline decoder; standard errors over documents; the tokens split by how much of what they
 predict the neighbours they read already contain (8-gram overlap, as the paper's Figure 6).
 
-Bits per byte = summed next-token loss (nats) / ln 2 / the UTF-8 bytes of the documents (their
-text plus one byte for the separator after each). Every token of a held-out document is scored
-exactly once: the database's held-out stream is cut into sequences whose targets tile it. A
+Bits per byte = summed next-token loss (nats) / ln 2 / the UTF-8 bytes of the documents' text as
+stored (cased, whitespace kept). Every text token of a held-out document is scored exactly once
+(not the end-of-text that starts it, not padding), reading only its own document: the database's
+held-out stream is cut into sequences whose targets tile it, and the model keeps documents apart. A
 token's byte weight is its document's bytes / its document's scored tokens, so any subset of
 tokens (an overlap bucket) has a bits-per-byte of its own that adds up to the whole.
 
@@ -74,11 +75,11 @@ def overlap_buckets(targets: np.ndarray, neighbours: np.ndarray, chunk_length: i
 def _per_token_nll(config, params, db, retrieval: bool, batch_size: int):
   """Yields (batch, nll [B, L]) over every held-out sequence."""
   module = RetroModel(config)
-  fn = jax.jit(lambda p, t, n, y: token_nll(module.apply({"params": p}, t, n), y))
+  fn = jax.jit(lambda p, t, n, s, y: token_nll(module.apply({"params": p}, t, n, segments=s), y))
   for batch in retro_batches(db, "heldout", batch_size=batch_size, seed=0, shuffle=False,
                              num_epochs=1, num_neighbours=config.num_neighbours or 1):
     nb = batch["neighbours"] if retrieval else None
-    yield batch, np.asarray(fn(params, batch["inputs"], nb, batch["targets"]))
+    yield batch, np.asarray(fn(params, batch["inputs"], nb, batch["segments"], batch["targets"]))
 
 
 def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int = 8) -> dict:

@@ -3,7 +3,7 @@ the neighbours of every chunk and the training and evaluation examples that carr
 
     db = build_database(config.db, "work/db")      # once; a killed build resumes where it stopped
     db = RetroDb.open("work/db")
-    db.read_sequence("train", 0)  # inputs, targets, target_docs [L], neighbours [n, k, 2m], ...
+    db.read_sequence("train", 0)  # inputs, targets, input_docs, target_docs [L], neighbours, ...
 
 The build runs in stages, each recorded in `stage-<name>.json` once its files are written (each
 atomically) and skipped when that record exists; `retro_db.json`, the manifest, is written last:
@@ -11,18 +11,24 @@ a directory without it is incomplete. Files in `db_dir`:
 
   settings.json                the settings asked for (another build with other ones is refused)
   {split}.stream.npy           [T] int32 the split's token stream (realm_jax/data/chunks.py)
-  {split}.docs.npy             [T] int32 each token's document (-1: leading eos, padding)
-  {split}.documents.json       per document: title, where, bytes, tokens
+  {split}.docs.npy             [T] int32 each token's document as an input (-1: padding)
+  {split}.documents.json       per document: title, where, bytes (of its UTF-8 text), tokens (its
+                               text tokens: the targets scored)
   {split}.keys.npy             [N, D] float32 each chunk's key: the key tower, mean pooled
   index/                       DocIndex over the keys of the non-empty train chunks (ids = rows)
   {split}.neighbours.npy       [N, k] int64 train chunk ids, best first
   {split}.array_record         one record per sequence: `layout` in the manifest
-  retro_db.json                settings, fingerprint, counts, key tower (key_name, key_fingerprint,
-                               key_dim), tokenizer, layout, the seconds of each stage and the
-                               CRC-32 of every file (checked on open)
+  retro_db.json                settings, fingerprint, counts (near_duplicates: train documents
+                               dropped), key tower (key_name, key_fingerprint, key_dim),
+                               tokenizer, layout, the seconds of each stage and the CRC-32 of
+                               every file (checked on open)
 
-A train chunk never retrieves a chunk of a document its own sequence reads or predicts; held-out
-chunks search the whole database (it holds train documents only).
+Every chunk belongs to one document, and a neighbour's continuation never runs into another
+(realm_jax/data/chunks.py). A train chunk never retrieves a chunk of a document its own sequence
+reads or predicts; held-out chunks search the whole database, which holds train documents only:
+none of the held-out titles, and none nearly copying a held-out document. The paper's leaky
+Wikitext-103 condition, held-out chunks searching the held-out chunks too, is
+`RetroDb.heldout_in_database_neighbours`.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from tqdm.auto import tqdm
 
 from realm_jax import config_checks, io_utils
 from realm_jax.checkpoints.weights import resolve
-from realm_jax.data.chunks import (SPLITS, chunk_documents, chunk_values, decode_record,
+from realm_jax.data.chunks import (JACCARD, SPLITS, chunk_documents, chunk_values, decode_record,
                                    excluded_chunk_ranges, record_layout, write_sequences)
 from realm_jax.data.sources import SOURCES, documents
 from realm_jax.retrieval.embed import embed_corpus, embed_in_buckets
@@ -51,7 +57,7 @@ from realm_jax.retrieval.neighbours import save_npy, search_neighbours
 from realm_jax.retrieval.searcher import SEARCHERS
 from realm_jax.text.lm_tokenizer import LmTokenizer, key_inputs, load_lm_tokenizer, shares_vocab
 
-VERSION = 1
+VERSION = 2   # 2: documents packed in chunk-aligned pieces, title split, near-duplicates dropped
 MANIFEST = "retro_db.json"
 SETTINGS = "settings.json"
 # The settings that make a database; the others (dir, key_batch_size, shard_size) only say how.
@@ -113,7 +119,7 @@ def _stage(db_dir: str, name: str, run) -> dict:
     return io_utils.read_json(path)
   start = time.perf_counter()
   record = run()
-  record["seconds"] = round(time.perf_counter() - start, 2)
+  record["seconds"], record["version"] = round(time.perf_counter() - start, 2), VERSION
   io_utils.write_json(path, record)
   logging.info("RETRO database, %s: %s in %.1f s", name, record["summary"], record["seconds"])
   return record
@@ -149,9 +155,9 @@ def build_database(db_config, db_dir: str, *, flag: str = "--config.db") -> "Ret
   m, n, k = db.chunk_length, db.seq_chunks, db.num_neighbours
 
   def chunk_stage():
-    docs = tqdm(documents(db.source, db.paths, db.tfds_name, db.max_docs or None),
-                total=db.max_docs or None, desc="tokenizing documents", unit="doc")
-    splits, stats = chunk_documents(docs, tokenizer, m, n, db.heldout_percent)
+    splits, stats = chunk_documents(
+        lambda: documents(db.source, db.paths, db.tfds_name, db.max_docs or None), tokenizer, m, n,
+        db.heldout_percent, total=db.max_docs or None)
     counts = {}
     for split, s in splits.items():
       save_npy(os.path.join(db_dir, f"{split}.stream.npy"), s.stream)
@@ -164,10 +170,17 @@ def build_database(db_config, db_dir: str, *, flag: str = "--config.db") -> "Ret
     if stats["skipped"]:
       logging.warning("Skipped %d documents without text, e.g. %s.", stats["skipped"],
                       ", ".join(stats["skipped_examples"]))
+    if stats["near_duplicates"]:
+      logging.warning("Dropped %d train documents nearly copying a held-out one (13-gram Jaccard "
+                      ">= %.1f), e.g. %s.", stats["near_duplicates"], JACCARD,
+                      stats["near_duplicate_examples"])
     names = [f"{s}.{x}" for s in SPLITS for x in ("stream.npy", "docs.npy", "documents.json")]
     return {"content_sha256": stats["content_sha256"], "counts": counts,
-            "skipped_documents": stats["skipped"], "files": _crcs(db_dir, names),
-            "summary": f"{stats['documents']} documents read, {counts}"}
+            "skipped_documents": stats["skipped"], "near_duplicates": stats["near_duplicates"],
+            "near_duplicate_examples": stats["near_duplicate_examples"],
+            "files": _crcs(db_dir, names),
+            "summary": f"{stats['documents']} documents read, {stats['near_duplicates']} train "
+                       f"near-duplicates of held-out ones dropped, {counts}"}
 
   chunks = _stage(db_dir, "chunks", chunk_stage)
   indexed = _check_k(db_dir, db, flag)
@@ -231,12 +244,14 @@ def build_database(db_config, db_dir: str, *, flag: str = "--config.db") -> "Ret
   layout = record_layout(m, n, k)
 
   def example_stage():
-    train_stream, num_train = _load(db_dir, "train", "stream"), chunks["counts"]["train"]["chunks"]
+    train = {"train_stream": _load(db_dir, "train", "stream"),
+             "train_docs": _load(db_dir, "train", "docs"),
+             "num_train": chunks["counts"]["train"]["chunks"]}
     for split in SPLITS:
       io_utils.atomic_write(os.path.join(db_dir, f"{split}.array_record"), functools.partial(
           write_sequences, stream=_load(db_dir, split, "stream"), docs=_load(db_dir, split, "docs"),
-          neighbours=_load(db_dir, split, "neighbours"), train_stream=train_stream,
-          num_train=num_train, chunk_length=m, seq_chunks=n, pad_id=tokenizer.pad_id))
+          neighbours=_load(db_dir, split, "neighbours"), **train, chunk_length=m, seq_chunks=n,
+          pad_id=tokenizer.pad_id))
     return {"files": _crcs(db_dir, [f"{s}.array_record" for s in SPLITS]),
             "summary": str({s: chunks["counts"][s]["sequences"] for s in SPLITS}) + " sequences"}
 
@@ -250,7 +265,9 @@ def build_database(db_config, db_dir: str, *, flag: str = "--config.db") -> "Ret
       "key_name": keys["key_name"], "key_fingerprint": keys["key_fingerprint"],
       "key_dim": keys["dim"],
       "counts": {**chunks["counts"], "skipped_documents": chunks["skipped_documents"],
+                 "near_duplicates": chunks["near_duplicates"],
                  "indexed_chunks": index_record["count"]},
+      "near_duplicate_examples": chunks["near_duplicate_examples"],
       "layout": layout,
       "seconds": {name: r["seconds"] for name, r in stages.items()},
       "files": {f: c for r in stages.values() for f, c in r.get("files", {}).items()}}
@@ -260,8 +277,16 @@ def build_database(db_config, db_dir: str, *, flag: str = "--config.db") -> "Ret
 
 def _claim(db_dir: str, settings: dict, flag: str) -> None:
   """Makes `db_dir` the place of a database of `settings`, unless a finished stage of it depends
-  on other settings (ValueError naming them); clears what a killed build left half written."""
+  on other settings (ValueError naming them) or was made by another version of this code;
+  clears what a killed build left half written."""
   os.makedirs(db_dir, exist_ok=True)
+  records = {n: os.path.join(db_dir, f"stage-{n}.json") for n in STAGE_KEYS}
+  older = [n for n, p in records.items()
+           if os.path.exists(p) and io_utils.read_json(p).get("version") != VERSION]
+  if older:
+    raise ValueError(f"{db_dir} holds a chunk database (stages {', '.join(older)}) made by another "
+                     f"version of realm_jax, whose files this one (version {VERSION}) cannot use: "
+                     f"delete {db_dir} and build it again, or give another {flag}.dir.")
   path = os.path.join(db_dir, SETTINGS)
   old = io_utils.read_json(path) if os.path.exists(path) else None
   if old != settings:
@@ -283,6 +308,11 @@ def _claim(db_dir: str, settings: dict, flag: str) -> None:
       os.remove(p)
 
 
+def _nonempty(docs: np.ndarray, chunk_length: int, num_chunks: int) -> np.ndarray:
+  """[N] bool: whether each chunk holds a document token (docs [T], `SplitStream.docs`)."""
+  return (np.asarray(docs[:num_chunks * chunk_length]).reshape(-1, chunk_length) >= 0).any(1)
+
+
 def _check_k(db_dir: str, db, flag: str) -> np.ndarray:
   """The ids of the non-empty train chunks (what the index holds), once k is known to fit."""
   docs, m, n = _load(db_dir, "train", "docs"), db.chunk_length, db.seq_chunks
@@ -291,8 +321,8 @@ def _check_k(db_dir: str, db, flag: str) -> np.ndarray:
     raise ValueError(f"The chunk database has no training text: every document of {db.source} is "
                      f"held out or empty. Lower {flag}.heldout_percent={db.heldout_percent} or "
                      f"raise {flag}.max_docs={db.max_docs}.")
-  # A chunk of padding only (at the end of the stream) is never a neighbour.
-  nonempty = (np.asarray(docs[:num_chunks * m]).reshape(-1, m) >= 0).any(1)
+  # A chunk of padding only (the rest of a sequence, a document's last chunk never) is no neighbour.
+  nonempty = _nonempty(docs, m, num_chunks)
   ranges = excluded_chunk_ranges(docs, m, n)
   before = np.concatenate([[0], np.cumsum(nonempty)])  # non-empty chunks below each id
   barred = np.where(ranges[:, 0] >= 0, before[ranges[:, 1] + 1] - before[ranges[:, 0]], 0)
@@ -385,8 +415,8 @@ class RetroDb:
     return os.path.join(self.directory, f"{self._split(split)}.array_record")
 
   def read_sequence(self, split: str, s: int) -> dict[str, np.ndarray]:
-    """Sequence `s` of a split: inputs, targets, target_docs [L]; neighbours [n, k, 2m];
-    neighbour_ids [n, k] (int32)."""
+    """Sequence `s` of a split: inputs, targets, input_docs, target_docs [L]; neighbours
+    [n, k, 2m]; neighbour_ids [n, k] (int32; chunks.record_layout)."""
     if not 0 <= s < self.num_sequences(split):
       raise IndexError(f"Sequence {s} is out of range: {split} has {self.num_sequences(split)}.")
     if split not in self._sources:
@@ -394,17 +424,55 @@ class RetroDb:
       self._sources[split] = grain.sources.ArrayRecordDataSource(self.examples_path(split))
     return decode_record(self._sources[split][s], self.layout)
 
-  def values(self, chunk_ids: np.ndarray) -> np.ndarray:
-    """[..., 2m] int32 tokens of train chunks [...] and their continuations (-1: all pad)."""
-    return chunk_values(self.train_stream, chunk_ids, self.chunk_length,
-                        self.num_chunks("train"), self.tokenizer.pad_id)
+  def values(self, chunk_ids: np.ndarray, split: str = "train") -> np.ndarray:
+    """[..., 2m] int32 tokens of a split's chunks [...] (-1: all pad) and their continuations
+    (the next chunk when it belongs to the same document, else pad)."""
+    return chunk_values(self.array(split, "stream"), self.array(split, "docs"), chunk_ids,
+                        self.chunk_length, self.num_chunks(split), self.tokenizer.pad_id)
+
+  def indexed_chunks(self, split: str) -> np.ndarray:
+    """[N'] int64 the ids of a split's chunks holding a document token (not padding only)."""
+    return np.flatnonzero(_nonempty(self.array(split, "docs"), self.chunk_length,
+                                    self.num_chunks(split)))
+
+  def heldout_in_database_neighbours(self, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The paper's leaky condition (its Wikitext-103 runs, whose database holds the evaluation
+    set): each held-out chunk's k nearest chunks among the train AND held-out chunks together, by
+    the database's keys (the key tower's, made for both splits at the build) and exact search,
+    leaving out only the query chunk itself. A chunk can so find the rest of its own document:
+    figures with these neighbours measure copying from the evaluation text, and are not held-out
+    figures (the records' own neighbours, train chunks only, are).
+
+    Args:
+      k: neighbours per chunk (default: the database's num_neighbours).
+    Returns:
+      values [Nh, k, 2m] int32 (each neighbour and its continuation, read from its own split's
+      stream and document: `values`), and ids [Nh, k] int64: train chunk c as c, held-out chunk j
+      as num_chunks("train") + j. Nh = num_chunks("heldout"): row s * n + v is chunk v of held-out
+      sequence s, as the records' `neighbours` ([S, n, k, 2m] after a reshape).
+    """
+    k = self.num_neighbours if k is None else k
+    num_train, num_heldout = self.num_chunks("train"), self.num_chunks("heldout")
+    train, heldout = self.indexed_chunks("train"), self.indexed_chunks("heldout")
+    keys = np.concatenate([np.asarray(self.array("train", "keys"))[train],
+                           np.asarray(self.array("heldout", "keys"))[heldout]])
+    ids = np.concatenate([train, num_train + heldout])
+    if not 1 <= k < len(ids):
+      raise ValueError(f"k={k}: the train and held-out chunks of {self.directory} number "
+                       f"{len(ids)}, and a chunk may not find itself: ask for 1 to {len(ids) - 1}.")
+    index = DocIndex(keys, ids, searcher="exact")
+    _, found = index.search(np.asarray(self.array("heldout", "keys")), k,
+                            exclude_ids=num_train + np.arange(num_heldout))       # [Nh, k]
+    is_heldout = found >= num_train
+    values = np.where(is_heldout[..., None],
+                      self.values(np.where(is_heldout, found - num_train, -1), "heldout"),
+                      self.values(np.where(is_heldout, -1, found), "train"))
+    return values.astype(np.int32), found
 
   def chunk_title(self, chunk_id: int) -> str:
-    """The title of the train document a train chunk starts in (its first document token)."""
-    m = self.chunk_length
-    docs = np.asarray(self.array("train", "docs")[chunk_id * m:(chunk_id + 1) * m])
-    docs = docs[docs >= 0]
-    return self.documents("train")[int(docs[0])]["title"] if len(docs) else ""
+    """The title of the train document a train chunk belongs to ("" for padding)."""
+    doc = int(self.array("train", "docs")[chunk_id * self.chunk_length])
+    return self.documents("train")[doc]["title"] if doc >= 0 else ""
 
   def load_index(self, searcher: str | None = None, **options) -> DocIndex:
     return DocIndex.load(os.path.join(self.directory, "index"),

@@ -89,7 +89,7 @@ def _squared_distances(keys: jax.Array, queries: jax.Array, rows: jax.Array) -> 
 
 def num_entries(db) -> int:
   """The entries a datastore of `db` holds: its train split's scored tokens (each document's
-  tokens and its end-of-document token; not the leading eos nor the padding)."""
+  text tokens; not the eos that begins it, nor the padding)."""
   return int(db.manifest["counts"]["train"]["tokens"])
 
 
@@ -147,12 +147,14 @@ def check_directory(directory: str, settings: dict, flag: str = "--datastore_dir
 
 def _train_batch(db, lo: int, hi: int, batch_size: int, num_neighbours: int):
   """Train sequences [lo, hi) as one batch of `batch_size` (filled up with copies whose targets
-  are all unscored): inputs, targets [B, L], scored [B, L] bool, neighbours [B, n, k, 2m]."""
+  are all unscored): inputs, segments (the inputs' documents), targets [B, L], scored [B, L]
+  bool, neighbours [B, n, k, 2m]."""
   seqs = [db.read_sequence("train", s) for s in range(lo, hi)]
   seqs += [seqs[-1]] * (batch_size - len(seqs))
   scored = np.stack([s["target_docs"] >= 0 for s in seqs])
   scored[hi - lo:] = False
-  return (np.stack([s["inputs"] for s in seqs]), np.stack([s["targets"] for s in seqs]), scored,
+  return (np.stack([s["inputs"] for s in seqs]), np.stack([s["input_docs"] for s in seqs]),
+          np.stack([s["targets"] for s in seqs]), scored,
           np.stack([s["neighbours"][:, :num_neighbours] for s in seqs]))
 
 
@@ -225,7 +227,8 @@ def build_datastore(config: RetroConfig, params, db, directory: str, *, source: 
     logging.info("kNN-LM datastore in %s: resuming, %d of %d shards done.", directory,
                  num_shards - len(todo), num_shards)
   module = RetroModel(config)
-  hidden_fn = jax.jit(lambda p, t, n: module.apply({"params": p}, t, n, return_hidden=True)[1])
+  hidden_fn = jax.jit(lambda p, t, n, g: module.apply({"params": p}, t, n, return_hidden=True,
+                                                     segments=g)[1])
   params = jax.device_put(params)
   k_read = config.num_neighbours or 1
   with tqdm(total=num_seqs, initial=done, desc="kNN-LM datastore", unit="sequence") as bar:
@@ -234,9 +237,10 @@ def build_datastore(config: RetroConfig, params, db, directory: str, *, source: 
       lo, hi = s * shard_size, min(num_seqs, (s + 1) * shard_size)
       keys, values = [], []
       for b in range(lo, hi, batch_size):
-        inputs, targets, scored, neighbours = _train_batch(db, b, min(hi, b + batch_size),
-                                                           batch_size, k_read)
-        hidden = np.asarray(hidden_fn(params, inputs, neighbours if config.retrieval else None))
+        inputs, segments, targets, scored, neighbours = _train_batch(
+            db, b, min(hi, b + batch_size), batch_size, k_read)
+        hidden = np.asarray(hidden_fn(params, inputs, neighbours if config.retrieval else None,
+                                      segments))
         keys.append(hidden[scored].astype(np.float32))   # [n, H], sequence-major
         values.append(targets[scored].astype(np.int32))
         bar.update(min(batch_size, hi - b))
