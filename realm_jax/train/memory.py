@@ -117,24 +117,34 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
           "dim": dim}
 
 
-def retro_estimate(config, devices: int, vocab_size: int = 30522) -> dict:
+def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None) -> dict:
   """Bytes per device of a RETRO run (realm_jax/configs/retro.py): the RETRO decoder's parameters
-  (from shapes only) with AdamW, and the activations of its sequences, neighbour tokens and
-  logits; the chunk index lives on the host (not counted)."""
+  (from shapes only) with AdamW (gradients and moments for the trained ones only: a RETROfit's
+  frozen decoder has none), and the activations of its sequences, neighbour tokens and logits; the
+  chunk index lives on the host (not counted). `model`: the run's RetroConfig (default: built
+  from config.model, or from config.init's pre-trained decoder)."""
+  from realm_jax.checkpoints import decoder
   from realm_jax.models.retro import RetroConfig, RetroModel, cca_layers
   c, db = config.model, config.db
   length, m, k = db.chunk_length * db.seq_chunks, db.chunk_length, c.num_neighbours
-  mc = RetroConfig(vocab_size=vocab_size, num_layers=c.num_layers, hidden_size=c.hidden_size,
-                   num_heads=c.num_heads, mlp_size=c.mlp_size, max_length=c.max_length,
-                   chunk_length=m, cca_layers=tuple(c.cca_layers) or cca_layers(
-                       c.num_layers, c.cca_start, c.cca_every),
-                   encoder_layers=c.encoder_layers, encoder_size=c.encoder_size,
-                   num_neighbours=k, dtype=c.dtype, remat=c.remat)
+  if model is None:
+    fields = dict(vocab_size=vocab_size, num_layers=c.num_layers, hidden_size=c.hidden_size,
+                  num_heads=c.num_heads, mlp_size=c.mlp_size, max_length=c.max_length)
+    if config.init != "random":
+      fields.update(decoder.decoder_settings(config.init, flag="--config.init"))
+    model = RetroConfig(**fields, chunk_length=m, cca_layers=tuple(c.cca_layers) or cca_layers(
+        fields["num_layers"], c.cca_start, c.cca_every), encoder_layers=c.encoder_layers,
+                        encoder_size=c.encoder_size, num_neighbours=k, dtype=c.dtype,
+                        remat=c.remat)
+  mc = model
   tokens = jax.ShapeDtypeStruct((1, length), jax.numpy.int32)
   neighbours = jax.ShapeDtypeStruct((1, db.seq_chunks, k, 2 * m), jax.numpy.int32)
   shapes = jax.eval_shape(lambda t, n: RetroModel(mc).init(jax.random.key(0), t, n), tokens,
                           neighbours)
   p = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+  trained = sum(math.prod(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(shapes)
+                if not (config.freeze_decoder and decoder.is_decoder_param(path)))
+  vocab_size = mc.vocab_size
   b = -(-config.batch_size // devices)
   act = 2 if c.dtype == "bfloat16" else 4
 
@@ -144,12 +154,12 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522) -> dict:
       return n_tokens * (count * width * act + per)
     return n_tokens * count * per
 
-  activations = (layers(b * length, c.hidden_size, c.num_heads, length, c.num_layers)
-                 + layers(b * length * 2 * k, mc.encoder_width, c.num_heads, 2 * m,
+  activations = (layers(b * length, mc.hidden_size, mc.num_heads, length, mc.num_layers)
+                 + layers(b * length * 2 * k, mc.encoder_width, mc.num_heads, 2 * m,
                           c.encoder_layers)
                  + 2 * b * length * vocab_size * 4)   # float32 logits and their gradient
-  parts = {"parameters": 4 * p, "gradients": 4 * p, "optimizer state": 8 * p,
-           "update buffers": 4 * p, "activations": activations}
+  parts = {"parameters": 4 * p, "gradients": 4 * trained, "optimizer state": 8 * trained,
+           "update buffers": 4 * trained, "activations": activations}
   return {"parts": parts, "total": sum(parts.values()), "params": {"decoder": p},
           "devices": devices, "examples_per_device": b, "sequence": length}
 

@@ -12,8 +12,9 @@ held-out evaluation (realm_jax/eval/retro.py).
 
 A step is next-token cross-entropy over the sequence's scored targets (padding and the stream's
 first token are not), AdamW (b2 0.95, decay on kernels and embeddings only, global-norm clip) with
-linear warmup and cosine decay. RETROfitting (config.init = a HF GPT-2 directory) loads the decoder
-and, with config.freeze_decoder, trains only the neighbour encoder and the CCA layers.
+linear warmup and cosine decay. RETROfitting (config.init = smollm2, a GGUF or a HF GPT-2 / Llama
+directory: checkpoints/decoder.py) loads the decoder and, with config.freeze_decoder, trains only
+the neighbour encoder and the CCA layers.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 import optax
 
 from realm_jax import config_checks, distributed, workdir_lock
-from realm_jax.checkpoints import retro_export
+from realm_jax.checkpoints import decoder, retro_export
 from realm_jax.data.retro_batches import retro_batches
 from realm_jax.models.retro import RetroConfig, RetroModel, cca_layers, token_nll
 from realm_jax.retrieval.chunk_db import RetroDb, build_database
@@ -71,23 +72,27 @@ def check_settings(config, workdir: str) -> None:
                      f"longer than --config.model.max_length={config.model.max_length}.")
   if config.freeze_decoder and config.init == "random":
     raise ValueError("--config.freeze_decoder=True needs trained decoder weights: set "
-                     "--config.init to a Hugging Face GPT-2 directory (RETROfitting).")
+                     "--config.init to smollm2, a .gguf file or a Hugging Face GPT-2 / Llama / "
+                     "Mistral / Qwen2 directory (RETROfitting).")
 
 
 def model_config(config, db: RetroDb, retrieval: bool) -> RetroConfig:
-  """The decoder of a run: config.model's shapes (or the GPT-2 checkpoint's, RETROfitting), the
-  database's tokens and chunks; no CCA for the baseline."""
+  """The decoder of a run: config.model's shapes (or the pre-trained decoder's, RETROfitting),
+  the database's tokens and chunks; no CCA for the baseline."""
   c = config.model
   fields = dict(num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
                 mlp_size=c.mlp_size, max_length=c.max_length, vocab_size=db.tokenizer.vocab_size)
   if config.init != "random":
-    from realm_jax.checkpoints import gpt2
-    fields.update(gpt2.decoder_settings(config.init, flag="--config.init"))
-    if fields["vocab_size"] != db.tokenizer.vocab_size:
+    fields.update(decoder.decoder_settings(config.init, flag="--config.init"))
+    own = decoder.load_tokenizer(config.init, flag="--config.init")
+    if (own is not None and own.name != db.tokenizer.name) or (
+        fields["vocab_size"] != db.tokenizer.vocab_size):
       raise ValueError(
-          f"--config.init={config.init} has a vocabulary of {fields['vocab_size']} tokens, but the "
-          f"chunk database's tokenizer ({db.tokenizer.name}) has {db.tokenizer.vocab_size}: build "
-          f"the database with --config.db.tokenizer_file={config.init}/tokenizer.json.")
+          f"--config.init={config.init} reads its own tokenizer "
+          f"({own.name if own else str(fields['vocab_size']) + ' tokens'}), but the chunk "
+          f"database was built with another ({db.tokenizer.name}): build the database with "
+          f"--config.db.tokenizer_file={decoder.tokenizer_source(config.init)} (another "
+          "--config.db.dir).")
   length = db.chunk_length * db.seq_chunks
   if length > fields["max_length"]:
     raise ValueError(f"The database's sequences ({length} tokens) are longer than the decoder's "
@@ -97,7 +102,8 @@ def model_config(config, db: RetroDb, retrieval: bool) -> RetroConfig:
                      cca_layers=layers if retrieval else (), encoder_layers=c.encoder_layers,
                      encoder_size=c.encoder_size if retrieval else 0,
                      num_neighbours=c.num_neighbours, pad_id=db.tokenizer.pad_id,
-                     dropout=c.dropout, dtype=c.dtype, remat=c.remat)
+                     dropout=c.dropout, dtype=c.dtype, remat=c.remat,
+                     zero_init_cca=c.zero_init_cca)
 
 
 def decay_mask(params):
@@ -107,10 +113,10 @@ def decay_mask(params):
 
 
 def trainable(params, freeze_decoder: bool):
-  """"train" / "frozen" per parameter: frozen = the GPT-2 decoder when RETROfitting."""
-  from realm_jax.checkpoints.gpt2 import is_decoder_param
+  """"train" / "frozen" per parameter: frozen = the pre-trained decoder when RETROfitting."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: "frozen" if freeze_decoder and is_decoder_param(path) else "train", params)
+      lambda path, _: "frozen" if freeze_decoder and decoder.is_decoder_param(path) else "train",
+      params)
 
 
 def optimizer(config, params) -> tuple[optax.Schedule, optax.GradientTransformation]:
@@ -137,7 +143,8 @@ def sequence_loss(module: RetroModel, params, batch: dict, retrieval: bool,
   rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
   logits = module.apply({"params": params}, batch["inputs"],
                         batch["neighbours"] if retrieval else None,
-                        deterministic=dropout_rng is None, rngs=rngs)
+                        deterministic=dropout_rng is None, rngs=rngs,
+                        segments=batch.get("segments"))
   nll = token_nll(logits, batch["targets"]) * batch["loss_mask"]
   tokens = batch["loss_mask"].sum()
   stats = {"nll": nll.sum(), "tokens": tokens, "bytes": batch["target_bytes"].sum()}
@@ -158,7 +165,8 @@ class RetroTrainer(loop.TrainLoop):
     loop.check_workdir_config(config, workdir, FIXED_SETTINGS)
     self.model_config = model_config(config, db, retrieval)
     self.module = RetroModel(self.model_config)
-    est = memory.retro_estimate(config, jax.device_count(), db.tokenizer.vocab_size)
+    est = memory.retro_estimate(config, jax.device_count(), db.tokenizer.vocab_size,
+                                model=self.model_config)
     logging.info("%s", memory.format_retro_estimate(est, title=f"{self.name}: memory per device "
                                                     "(estimate)"))
     params = self._initial_params()
@@ -180,6 +188,8 @@ class RetroTrainer(loop.TrainLoop):
 
     def step(state, batch, rng):
       def loss_fn(p, dropout_rng):
+        if config.freeze_decoder:  # no gradient computed for the frozen decoder's weights
+          p = decoder.freeze(p)
         loss, stats = sequence_loss(module, p, batch, retrieval, dropout_rng)
         return loss, {"loss": loss, "bits_per_byte": stats["nll"] / LN2 / stats["bytes"]}
       return loss_step(state, loss_fn, rng, dropout=config.model.dropout > 0)
@@ -195,9 +205,8 @@ class RetroTrainer(loop.TrainLoop):
     params = jax.jit(lambda key: self.module.init(key, tokens, neighbours)["params"])(
         jax.random.key(c.seed))
     if c.init != "random":
-      from realm_jax.checkpoints import gpt2
-      params = gpt2.retrofit(params, gpt2.load_decoder(c.init, flag="--config.init"),
-                             flag="--config.init")
+      params = decoder.retrofit(params, decoder.load_decoder(c.init, flag="--config.init"),
+                                flag="--config.init")
     return params
 
   def next_batch(self):
