@@ -21,6 +21,9 @@ _MODELS = flags.DEFINE_list("models", None, "Export directories (default: <workd
                             "and <workdir>/baseline/export, those that exist).")
 _OUT = flags.DEFINE_string("out", None, "Where eval.json, eval.md, bpb.png go (default: --workdir).")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Held-out sequences per call.")
+_LEAKY = flags.DEFINE_bool("heldout_in_database", False, "Also score each RETRO model with the "
+                           "paper's Wikitext-103 condition: neighbours searched among the held-out "
+                           "chunks too (a chunk may read the rest of its own document).")
 
 
 def main(argv):
@@ -42,7 +45,8 @@ def main(argv):
       cli.fail(f"--workdir={workdir}: no trained model there (retro/export or baseline/export); "
                "run experiments/retro_train.py first.")
   db = RetroDb.open(db_dir)
-  report = retro_eval.evaluate_exports(exports, db, _OUT.value or workdir, _BATCH.value)
+  report = retro_eval.evaluate_exports(exports, db, _OUT.value or workdir, _BATCH.value,
+                                       heldout_in_database=_LEAKY.value)
   print(retro_eval.markdown(report))
 
 

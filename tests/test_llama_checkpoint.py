@@ -369,3 +369,24 @@ def test_smollm2_logits_and_greedy_text_equal_transformers(smollm2_hf):
     ids.append(int(np.asarray(apply(buffer))[0, len(ids) - 1].argmax()))
   assert ids == greedy[0].tolist()
   assert len(tok.decode(ids[len(prompt):]).split()) >= 10   # fluent text, not a repeated token
+
+
+def test_a_database_of_another_tokenizer_is_refused_before_any_weight_is_read():
+  """RETROfitting SmolLM2 on a chunk database tokenized otherwise is one error naming the flag to
+  rebuild it with; with SmolLM2's own tokenizer the model config takes the GGUF's shapes."""
+  from types import SimpleNamespace
+
+  from realm_jax.configs.retro import get_config
+  from realm_jax.text.lm_tokenizer import LmTokenizer
+  from realm_jax.train.retro import model_config
+  config = get_config("retrofit_smollm2")
+  other = LmTokenizer("wordpiece:0123456789abcdef", 30522, 102, 0)
+  db = SimpleNamespace(tokenizer=other, chunk_length=32, seq_chunks=8)
+  with pytest.raises(ValueError, match=r"--config.init=smollm2 reads its own tokenizer \(gguf:.*"
+                                       r"built with another \(wordpiece:.*"
+                                       r"--config.db.tokenizer_file=smollm2"):
+    model_config(config, db, retrieval=True)
+  db.tokenizer = llama.load_tokenizer(llama.SMOLLM2, FLAG)
+  got = model_config(config, db, retrieval=True)
+  assert (got.family, got.num_layers, got.kv_heads, got.cca_layers, got.pad_id) == (
+      "llama", 30, 3, (6, 12, 18, 24, 30), 2)

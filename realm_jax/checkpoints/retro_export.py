@@ -33,9 +33,7 @@ def save(directory: str, config: RetroConfig, params, meta: dict) -> None:
   atomic_write_dir(directory, write, marker=CONFIG)
 
 
-def load(directory: str, flag: str = "--model") -> tuple[RetroConfig, dict, dict]:
-  """(config, params, meta) of an export; a missing or damaged one is an error naming `flag`."""
-  from safetensors import safe_open
+def _read_config(directory: str, flag: str) -> tuple[RetroConfig, dict]:
   path = os.path.join(directory, CONFIG)
   if not as_path(path).exists():
     raise FileNotFoundError(
@@ -44,7 +42,19 @@ def load(directory: str, flag: str = "--model") -> tuple[RetroConfig, dict, dict
   meta = read_json(path)
   fields = meta.pop("model")
   fields["cca_layers"] = tuple(fields["cca_layers"])
-  config = RetroConfig(**fields)
+  fields["rope_scaling"] = tuple(tuple(p) for p in fields.get("rope_scaling", ()))  # JSON lists
+  return RetroConfig(**fields), meta
+
+
+def load_config(directory: str, flag: str = "--model") -> RetroConfig:
+  """The RetroConfig of an export, without reading its arrays."""
+  return _read_config(directory, flag)[0]
+
+
+def load(directory: str, flag: str = "--model") -> tuple[RetroConfig, dict, dict]:
+  """(config, params, meta) of an export; a missing or damaged one is an error naming `flag`."""
+  from safetensors import safe_open
+  config, meta = _read_config(directory, flag)
   with local_file(os.path.join(directory, PARAMS)) as p, safe_open(p, framework="numpy") as f:
     flat = {k: f.get_tensor(k) for k in f.keys()}
     want = (f.metadata() or {}).get("arrays_crc32")

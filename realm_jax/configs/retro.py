@@ -52,8 +52,13 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.variant = arg
   c.db = database_config()
 
-  # The decoder (GPT-2 shaped: learned positions, pre-LayerNorm, GELU, tied output embedding).
+  # The decoder trained from scratch (config.init = "random"; a pre-trained one brings its own
+  # shapes): GPT-2 (learned positions, LayerNorm, GELU) or Llama (rotary positions, RMSNorm,
+  # SwiGLU, grouped-query attention); tied output embedding.
   c.model = ml_collections.ConfigDict()
+  c.model.family = "gpt2"          # gpt2 | llama
+  c.model.num_kv_heads = 0         # llama: key/value heads (0: num_heads)
+  c.model.rope_theta = 10_000.0    # llama
   c.model.num_layers = 12
   c.model.hidden_size = 768
   c.model.num_heads = 12
@@ -130,8 +135,10 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   elif arg == "tiny":
     c.db.update(max_docs=40, chunk_length=16, seq_chunks=4, key_length=32, shard_size=64,
                 heldout_percent=20)
+    # The Llama family (grouped-query: 2 query heads share 1 key/value head); GPT-2's decoder is
+    # the demo's and tests/test_gpt2.py's.
     c.model.update(num_layers=2, hidden_size=32, num_heads=2, mlp_size=64, max_length=64,
-                   cca_layers=(2,), encoder_layers=1)
+                   cca_layers=(2,), encoder_layers=1, family="llama", num_kv_heads=1)
     c.batch_size = 8
     c.num_steps = 4
     c.learning_rate = 1e-3

@@ -72,19 +72,38 @@ def overlap_buckets(targets: np.ndarray, neighbours: np.ndarray, chunk_length: i
   return out
 
 
-def _per_token_nll(config, params, db, retrieval: bool, batch_size: int):
-  """Yields (batch, nll [B, L]) over every held-out sequence."""
+def _per_token_nll(config, params, db, retrieval: bool, batch_size: int, neighbours=None):
+  """Yields (batch, nll [B, L]) over every held-out sequence. `neighbours` [S, n, k, 2m]: read
+  these instead of the records' own (the held-out-in-database condition); the batch's
+  `neighbours` are then replaced too."""
   module = RetroModel(config)
   fn = jax.jit(lambda p, t, n, s, y: token_nll(module.apply({"params": p}, t, n, segments=s), y))
+  done = 0
   for batch in retro_batches(db, "heldout", batch_size=batch_size, seed=0, shuffle=False,
                              num_epochs=1, num_neighbours=config.num_neighbours or 1):
+    if neighbours is not None:  # the last batch is padded with copies of the last sequence
+      rows = np.minimum(np.arange(done, done + len(batch["inputs"])), len(neighbours) - 1)
+      batch = {**batch, "neighbours": neighbours[rows, :, :config.num_neighbours]}
+    done += len(batch["inputs"])
     nb = batch["neighbours"] if retrieval else None
     yield batch, np.asarray(fn(params, batch["inputs"], nb, batch["segments"], batch["targets"]))
 
 
-def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int = 8) -> dict:
+def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int = 8,
+                     heldout_in_database: bool = False) -> dict:
   """Bits per byte of each exported model over the database's held-out documents (a "retro"
-  model also without its neighbours); writes eval.json, eval.md and bpb.png to `out_dir`."""
+  model also without its neighbours); writes eval.json, eval.md and bpb.png to `out_dir`.
+
+  heldout_in_database: a retrieval model is also scored (as `<name>_heldout_in_db`) with the
+  neighbours of the paper's Wikitext-103 condition, searched among the held-out chunks too
+  (`RetroDb.heldout_in_database_neighbours`): a chunk may read the rest of its own document, so
+  that figure measures copying, not held-out modelling."""
+  leaky = None
+  if heldout_in_database and any(retro_export.load_config(p).retrieval
+                                 for p in exports.values()):
+    values, _ = db.heldout_in_database_neighbours()
+    m = db.chunk_length
+    leaky = values.reshape(db.num_sequences("heldout"), db.seq_chunks, -1, 2 * m)
   docs = db.documents("heldout")
   doc_bytes = np.array([d["bytes"] for d in docs], np.float64)
   doc_tokens = np.array([d["tokens"] for d in docs], np.float64)
@@ -93,19 +112,24 @@ def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int 
     config, params, meta = retro_export.load(path, flag=f"the {name} export")
     db.check_compatible(meta["tokenizer"], meta["key_fingerprint"])
     params = jax.device_put(params)
-    variants = [(name, True)] + ([(f"{name}_no_neighbours", False)] if config.retrieval else [])
-    for label, retrieval in variants:
+    variants = [(name, True, None)]
+    if config.retrieval:
+      variants.append((f"{name}_no_neighbours", False, None))
+      if leaky is not None:
+        variants.append((f"{name}_heldout_in_db", True, leaky))
+    for label, retrieval, neighbours in variants:
       nll_doc = np.zeros(len(docs))
       nll_bucket = np.zeros(len(BUCKETS) + 1)
       bytes_bucket = np.zeros(len(BUCKETS) + 1)
       tokens_bucket = np.zeros(len(BUCKETS) + 1)
-      batches = tqdm(_per_token_nll(config, params, db, retrieval, batch_size),
+      batches = tqdm(_per_token_nll(config, params, db, retrieval, batch_size, neighbours),
                      desc=f"evaluating {label}", unit="batch")
       for j, (batch, nll) in enumerate(batches):
         docs_t = batch["target_docs"]
         scored = docs_t >= 0
         np.add.at(nll_doc, docs_t[scored], nll[scored])
-        key = (j, batch["neighbours"].shape[2])  # the same sequences in every pass, k neighbours
+        # The same sequences in every pass; buckets by the neighbours read.
+        key = (j, batch["neighbours"].shape[2], neighbours is not None)
         if key not in buckets_of:
           buckets_of[key] = np.stack([overlap_buckets(t, n, db.chunk_length, db.tokenizer.pad_id)
                                       for t, n in zip(batch["targets"], batch["neighbours"])])
@@ -133,7 +157,8 @@ def _report(systems: dict, doc_bytes: np.ndarray, doc_tokens: np.ndarray) -> dic
       if a < b or a == b:
         continue
       d, se = ratio_se((systems[a]["nll_doc"] - systems[b]["nll_doc"]) / LN2, doc_bytes)
-      diffs[f"{a} - {b}"] = {"bits_per_byte": d, "se": se}
+      diffs[f"{a} - {b}"] = {"bits_per_byte": d, "se": se,
+                             "ci95": [d - 1.96 * se, d + 1.96 * se]}
   names = (NO_NEIGHBOURS, *(b[2] for b in BUCKETS))
   first = next(iter(systems.values()))
   overlap = []
@@ -156,10 +181,12 @@ def markdown(report: dict) -> str:
            "| --- | --- | --- | --- |"]
   for label, m in report["models"].items():
     lines.append(f"| {label} | {m['bits_per_byte']:.4f} | {m['se']:.4f} | {m['perplexity']:.1f} |")
-  lines += ["", "| difference (paired over documents) | bits per byte | ± s.e. |",
-            "| --- | --- | --- |"]
+  lines += ["", "| difference (paired over documents) | bits per byte | ± s.e. | 95% interval |",
+            "| --- | --- | --- | --- |"]
   for label, d in report["differences"].items():
-    lines.append(f"| {label} | {d['bits_per_byte']:+.5f} | {d['se']:.5f} |")
+    lo, hi = d["bits_per_byte"] - 1.96 * d["se"], d["bits_per_byte"] + 1.96 * d["se"]
+    lines.append(f"| {label} | {d['bits_per_byte']:+.5f} | {d['se']:.5f} | "
+                 f"[{lo:+.5f}, {hi:+.5f}] |")
   labels = list(report["models"])
   lines += ["", "Bits per byte by the 8-gram overlap of the predicted tokens with the neighbours "
             "they read:", "", "| overlap | tokens | " + " | ".join(labels) + " |",

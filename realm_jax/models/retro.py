@@ -419,8 +419,11 @@ class RetroModel(nn.Module):
 
 
 def token_nll(logits: Array, targets: Array) -> Array:
-  """-log p(target) per position: logits [..., V] float32, targets [...] int -> [...] float32."""
+  """-log p(target) per position: logits [..., V] float32, targets [...] int -> [...] float32.
+  A target outside the vocabulary (the padding id of a tokenizer without a spare special token)
+  gets a finite value of no meaning: the caller masks it."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  targets = jnp.where(targets < logits.shape[-1], targets, 0)
   return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 

@@ -31,7 +31,9 @@ class RetroLm:
     self.db, self.params = db, jax.device_put(params)
     self.index = db.load_index(searcher) if self.config.retrieval else None
     m = self.config.chunk_length
-    self.length = self.config.max_length // m * m   # the padded context every call runs on
+    # The padded context every call runs on: the sequences it was trained on (a pre-trained
+    # decoder's own context, 8,192 tokens for SmolLM2, would make every step cost that much).
+    self.length = min(self.config.max_length, db.chunk_length * db.seq_chunks) // m * m
     module = RetroModel(self.config)
     self._logits = jax.jit(lambda p, t, n, i: module.apply({"params": p}, t, n)[0, i])
 

@@ -129,7 +129,8 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None) ->
   length, m, k = db.chunk_length * db.seq_chunks, db.chunk_length, c.num_neighbours
   if model is None:
     fields = dict(vocab_size=vocab_size, num_layers=c.num_layers, hidden_size=c.hidden_size,
-                  num_heads=c.num_heads, mlp_size=c.mlp_size, max_length=c.max_length)
+                  num_heads=c.num_heads, mlp_size=c.mlp_size, max_length=c.max_length,
+                  family=c.get("family", "gpt2"), num_kv_heads=c.get("num_kv_heads", 0))
     if config.init != "random":
       fields.update(decoder.decoder_settings(config.init, flag="--config.init"))
     model = RetroConfig(**fields, chunk_length=m, cca_layers=tuple(c.cca_layers) or cca_layers(

@@ -57,11 +57,15 @@ def check_settings(config, workdir: str) -> None:
       "model.hidden_size": 8, "model.num_heads": 1, "model.mlp_size": 1,
       "model.encoder_layers": 1, "model.num_neighbours": 1, "db.chunk_length": 2,
       "db.seq_chunks": 1, "db.num_neighbours": 1, "db.key_length": 4, "db.max_docs": 0})
-  config_checks.one_of(config, {"model.dtype": ("float32", "bfloat16")})
+  config_checks.one_of(config, {"model.dtype": ("float32", "bfloat16"),
+                                "model.family": ("gpt2", "llama")})
   config_checks.below(config, "model.num_neighbours", "db.num_neighbours")
   unknown = [m for m in config.models if m not in MODELS]
   if unknown or not config.models:
     raise ValueError(f"--config.models={tuple(config.models)!r}: name one or both of {MODELS}.")
+  if config.model.num_kv_heads and config.model.num_heads % config.model.num_kv_heads:
+    raise ValueError(f"--config.model.num_heads={config.model.num_heads} is not a multiple of "
+                     f"--config.model.num_kv_heads={config.model.num_kv_heads}.")
   if config.model.hidden_size % config.model.num_heads:
     raise ValueError(f"--config.model.hidden_size={config.model.hidden_size} is not divisible by "
                      f"--config.model.num_heads={config.model.num_heads}.")
@@ -81,7 +85,8 @@ def model_config(config, db: RetroDb, retrieval: bool) -> RetroConfig:
   the database's tokens and chunks; no CCA for the baseline."""
   c = config.model
   fields = dict(num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
-                mlp_size=c.mlp_size, max_length=c.max_length, vocab_size=db.tokenizer.vocab_size)
+                mlp_size=c.mlp_size, max_length=c.max_length, vocab_size=db.tokenizer.vocab_size,
+                family=c.family, num_kv_heads=c.num_kv_heads, rope_theta=c.rope_theta)
   if config.init != "random":
     fields.update(decoder.decoder_settings(config.init, flag="--config.init"))
     own = decoder.load_tokenizer(config.init, flag="--config.init")
