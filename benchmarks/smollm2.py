@@ -103,7 +103,6 @@ def main():
 
   results["jax_train_step_s"] = _median_seconds(trainer(plain, params, False, False),
                                                 args.repeats)
-  del params
   model_cfg = RetroConfig(**settings, chunk_length=m, cca_layers=tuple(config.model.cca_layers),
                           encoder_layers=config.model.encoder_layers,
                           encoder_size=config.model.encoder_size, num_neighbours=k,
@@ -114,7 +113,6 @@ def main():
   rparams = decoder.retrofit(init, weights)
   results["jax_retrofit_step_s"] = _median_seconds(trainer(retro, rparams, True, True),
                                                    args.repeats)
-  del rparams
 
   # Hugging Face PyTorch, the same GGUF.
   path = smollm2_path("--benchmark")

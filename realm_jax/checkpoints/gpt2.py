@@ -15,7 +15,6 @@ to `wte`; the attention mask buffers (`attn.bias`, `attn.masked_bias`) are not p
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -24,13 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from realm_jax.checkpoints.hf import CheckpointError, no_safetensors, read_state_dict
+from realm_jax.checkpoints.hf import CheckpointError, read_config_json, read_state_dict
 from realm_jax.io_utils import as_path
 from realm_jax.models.retro import RetroConfig, RetroModel
 
 WHAT = ("a Hugging Face GPT-2 checkpoint directory (config.json + model.safetensors, e.g. "
         "`GPT2LMHeadModel.from_pretrained('gpt2').save_pretrained(dir, safe_serialization=True)`)")
-_SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 # What HF's GPT2Config takes for a key that config.json leaves out.
 _HF_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                     n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
@@ -45,19 +43,7 @@ _REQUIRED = dict(activation_function="gelu_new", scale_attn_weights=True,
 def _hf_config(directory: str, flag: str) -> dict:
   """config.json of the checkpoint in `directory`, with HF's defaults filled in, after checking
   that the directory holds a GPT-2 whose weights RetroModel computes exactly."""
-  p = as_path(directory)
-  if not directory or not p.is_dir():
-    raise FileNotFoundError(f"{flag}={directory} is not a directory: pass {WHAT}.")
-  names = sorted(q.name for q in p.iterdir())
-  if "config.json" not in names:
-    raise FileNotFoundError(f"{flag}={directory} has no config.json: keep the config.json saved "
-                            "with model.safetensors beside it.")
-  if not any(n in names for n in _SAFETENSORS):
-    raise FileNotFoundError(f"{flag}={directory}: {no_safetensors(directory, names)}")
-  try:
-    config = json.loads((p / "config.json").read_text(encoding="utf-8"))
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"{flag}={directory}: config.json is not valid JSON ({e}).") from None
+  config = read_config_json(directory, flag, WHAT)
   model_type = config.get("model_type")
   if model_type != "gpt2":
     raise CheckpointError(f"{flag}={directory} holds a {model_type!r} model (config.json's "

@@ -278,6 +278,27 @@ def no_safetensors(path: str, names: list[str]) -> FileNotFoundError:
       "`Model.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`.")
 
 
+def read_config_json(directory: str, flag: str, what: str) -> dict:
+  """config.json of the decoder checkpoint directory `directory` (config.json + safetensors),
+  after checking that both are there; errors name `flag` and say to pass `what`.
+
+  Raises FileNotFoundError (no directory, config.json or safetensors) or CheckpointError (a
+  config.json that is not JSON)."""
+  p = as_path(directory)
+  if not directory or not p.is_dir():
+    raise FileNotFoundError(f"{flag}={directory} is not a directory: pass {what}.")
+  names = sorted(q.name for q in p.iterdir())
+  if "config.json" not in names:
+    raise FileNotFoundError(f"{flag}={directory} has no config.json: put there the config.json "
+                            "saved with the weights (`save_pretrained` writes both).")
+  if not any(n in names for n in ("model.safetensors", "model.safetensors.index.json")):
+    raise FileNotFoundError(f"{flag}={directory}: {no_safetensors(directory, names)}")
+  try:
+    return json.loads((p / "config.json").read_text(encoding="utf-8"))
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{flag}={directory}: config.json is not valid JSON ({e}).") from None
+
+
 def local_checkpoint(path: str) -> str:
   """`path` itself when local; for a gs:// checkpoint directory, or a file in one, the same in
   its copy in the local cache (safetensors reads local files only)."""

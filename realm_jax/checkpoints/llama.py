@@ -27,7 +27,7 @@ import os
 import numpy as np
 from flax import traverse_util
 
-from realm_jax.checkpoints.hf import CheckpointError, no_safetensors, read_state_dict
+from realm_jax.checkpoints.hf import CheckpointError, read_config_json, read_state_dict
 from realm_jax.io_utils import as_path
 from realm_jax.text.lm_tokenizer import (SMOLLM2, LmTokenizer, gguf_value, load_gguf_tokenizer,
                                          load_lm_tokenizer, open_gguf, smollm2_path)
@@ -38,7 +38,6 @@ ROPE_TYPES = ("linear", "llama3")
 WHAT = ("a Hugging Face Llama, Mistral or Qwen2 directory (config.json + model.safetensors, e.g. "
         "`AutoModelForCausalLM.from_pretrained(name).save_pretrained(dir, safe_serialization=True)`"
         f"), a .gguf file, or {SMOLLM2!r}")
-_SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 
 # Flax path -> (HF key, GGUF tensor name); "{i}" is the layer.
 _NAMES = {
@@ -103,19 +102,7 @@ def _rope_scaling(scaling: dict | None, where: str) -> tuple:
 def _hf_config(directory: str, flag: str) -> dict:
   """config.json of the Llama-family checkpoint in `directory`, checked to hold one whose
   weights the decoder computes exactly."""
-  p = as_path(directory)
-  if not directory or not p.is_dir():
-    raise FileNotFoundError(f"{flag}={directory} is not a directory or a .gguf file: pass {WHAT}.")
-  names = sorted(q.name for q in p.iterdir())
-  if "config.json" not in names:
-    raise FileNotFoundError(f"{flag}={directory} has no config.json: put there the config.json "
-                            "saved with the weights (`save_pretrained` writes both).")
-  if not any(n in names for n in _SAFETENSORS):
-    raise FileNotFoundError(f"{flag}={directory}: {no_safetensors(directory, names)}")
-  try:
-    c = json.loads((p / "config.json").read_text(encoding="utf-8"))
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"{flag}={directory}: config.json is not valid JSON ({e}).") from None
+  c = read_config_json(directory, flag, WHAT)
   where = f"{flag}={directory}"
   if c.get("model_type") not in MODEL_TYPES:
     raise CheckpointError(f"{where} holds a {c.get('model_type')!r} model (config.json's "
