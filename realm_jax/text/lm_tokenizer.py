@@ -16,6 +16,7 @@ tokens into the inputs of the BERT that keys the chunk database.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -199,11 +200,22 @@ def open_gguf(path: str, flag: str):
                      "copy it to one and give that path.")
   if not as_path(path).is_file():
     raise FileNotFoundError(f"{flag}={path}: no such file. Give the path of a .gguf file.")
+  stat = os.stat(path)
   try:
-    return gguf.GGUFReader(path)
+    return _gguf_reader(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
   except Exception as e:  # the reader raises ValueError, struct.error, ... on a broken file
     raise ValueError(f"{flag}={path} is not a readable GGUF file ({type(e).__name__}: {e}). "
                      "Download it again, or give another .gguf file.") from None
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str, size: int, mtime_ns: int):
+  """One parse per file version: the settings, the weights and the tokenizer all read the same
+  file, and parsing its ~100k vocabulary strings takes seconds (size and mtime key a changed
+  file anew)."""
+  del size, mtime_ns
+  import gguf
+  return gguf.GGUFReader(path)
 
 
 def gguf_value(reader, key: str, default=None):
