@@ -37,6 +37,10 @@ _DATASTORE_DIR = flags.DEFINE_list("datastore_dir", None, "One datastore directo
                                    "reused.")
 _KEY_DTYPE = flags.DEFINE_string("key_dtype", "float32", "Storage of the keys: float32 | bfloat16.")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences per decoder call.")
+_DECODER_MEMORY = flags.DEFINE_bool(
+    "decoder_memory", False, "A RETRO model's datastore holds its decoder's states without the "
+    "neighbours (CCA skipped), and the model is reported twice over it: without neighbours (for "
+    "a RETROfit with a frozen decoder: the pre-trained decoder) and with them.")
 
 
 def _floats(flag, values):
@@ -94,7 +98,8 @@ def main(argv):
                                 k=_K.value, lambdas=lambdas, temperatures=temperatures,
                                 searcher=_SEARCHER.value, batch_size=_BATCH.value,
                                 dtype=_KEY_DTYPE.value,
-                                searcher_options=options)
+                                searcher_options=options,
+                                decoder_memory=_DECODER_MEMORY.value)
   print(knnlm.markdown(report))
   print(f"Written to {os.path.join(out, 'knnlm.md')} and knnlm.json.")
 

@@ -21,6 +21,7 @@ import pytest
 from conftest import ROOT, one_device_env
 
 from realm_jax.checkpoints import retro_export
+from realm_jax.checkpoints.decoder import is_decoder_param
 from realm_jax.configs.retro import get_config
 from realm_jax.eval import knnlm as knnlm_eval
 from realm_jax.models.knnlm import interpolate, knn_log_prob, knn_probs
@@ -285,6 +286,40 @@ def test_the_evaluation_equals_a_recomputation_by_hand(db, exports, tmp_path):
   np.testing.assert_allclose(report["difference"]["bits_per_byte"],
                              (inter.sum() - alone.sum()) / LN2 / test_bytes, rtol=1e-6, atol=1e-9)
   assert report["alone"]["se"] > 0 and report["difference"]["se"] >= 0
+
+
+def test_the_decoder_memory_is_the_retro_decoder_without_its_neighbours(db, exports, retro_store,
+                                                                         tmp_path):
+  """decoder_memory: the RETRO export's datastore keys are its states with the CCA skipped (its
+  own fingerprint, not the one of the keys with neighbours, and the same for another RETRO
+  decoder with the same decoder weights); it is reported twice, and the
+  paired difference RETRO + kNN-LM - RETRO without neighbours is the two rows' difference."""
+  config, params = _load(exports["retro"])
+  directory, out = str(tmp_path / "memory"), str(tmp_path / "out")
+  report = knnlm_eval.evaluate_knnlm({"retro": exports["retro"]}, db, out,
+                                     datastore_dirs={"retro": directory}, k=8,
+                                     lambdas=(0.0, 0.5), decoder_memory=True)
+  store = ds.Datastore.open(directory)
+  assert store.manifest["model_fingerprint"] == ds.model_fingerprint(config, params, False)
+  assert store.manifest["model_fingerprint"] != retro_store[1]["model_fingerprint"]
+  other_cca = jax.tree_util.tree_map_with_path(
+      lambda path, x: x if is_decoder_param(path) else x + 1, params)
+  assert ds.model_fingerprint(config, other_cca, False) == store.manifest["model_fingerprint"]
+  assert ds.model_fingerprint(config, other_cca) != ds.model_fingerprint(config, params)
+  keys = np.asarray(store.index.embeddings())[:, :config.hidden_size]
+  seq = db.read_sequence("train", 0)
+  scored = seq["target_docs"] >= 0
+  _, alone = RetroModel(config).apply({"params": params}, seq["inputs"][None], None,
+                                      return_hidden=True, segments=seq["input_docs"][None])
+  np.testing.assert_allclose(keys[:scored.sum()], np.asarray(alone)[0][scored], rtol=1e-5,
+                             atol=1e-5)
+  assert list(report["models"]) == ["retro_no_neighbours", "retro"]
+  without, within = (report["models"][n]["test"] for n in report["models"])
+  assert without["alone"]["bits_per_byte"] != within["alone"]["bits_per_byte"]
+  np.testing.assert_allclose(within["vs_reference"]["bits_per_byte"],
+                             within["knnlm"]["bits_per_byte"] - without["alone"]["bits_per_byte"],
+                             rtol=1e-6, atol=1e-9)
+  assert "retro + kNN-LM - retro_no_neighbours alone" in open(os.path.join(out, "knnlm.md")).read()
 
 
 # ------------------------------------------------------------------------------- the script

@@ -72,23 +72,32 @@ def dev_documents(documents: list[dict]) -> np.ndarray:
 
 
 def score_heldout(config, params, store: ds.Datastore, db, *, k: int, temperatures,
-                  batch_size: int = 8, desc: str = "kNN-LM") -> dict:
+                  batch_size: int = 8, desc: str = "kNN-LM",
+                  decoder_memory: bool = False) -> dict:
   """Per scored held-out token, in stream order: doc [T] int, nll [T] float64 (the decoder's
   -log p(y)), log_knn [T, len(temperatures)] float32 (log p_kNN(y) at each temperature); and the
-  seconds spent searching (the datastore's search and exact distances)."""
+  seconds spent searching (the datastore's search and exact distances).
+
+  decoder_memory (a RETRO decoder): the queries are its states without its neighbours (as the
+  keys of a datastore built with `neighbours=False`), and nll_no_neighbours [T] is added: the
+  same decoder's -log p(y) with its CCA layers skipped."""
   module = RetroModel(config)
   fn = jax.jit(lambda p, t, n, g, y: (lambda out: (token_nll(out[0], y), out[1]))(
       module.apply({"params": p}, t, n, return_hidden=True, segments=g)))
   log_prob = jax.jit(knn_log_prob)
-  docs, nll, log_knn, seconds = [], [], [], 0.0
+  two = decoder_memory and config.retrieval
+  docs, nll, nll_alone, log_knn, seconds = [], [], [], [], 0.0
   batches = retro_batches(db, "heldout", batch_size=batch_size, seed=0, shuffle=False,
                           num_epochs=1, num_neighbours=config.num_neighbours or 1)
   for batch in tqdm(batches, total=-(-db.num_sequences("heldout") // batch_size), desc=desc,
                     unit="batch"):
-    token_nll_, hidden = fn(params, batch["inputs"],
-                            batch["neighbours"] if config.retrieval else None, batch["segments"],
-                            batch["targets"])
+    args = (batch["inputs"], batch["neighbours"] if config.retrieval else None,
+            batch["segments"], batch["targets"])
+    token_nll_, hidden = fn(params, *args)
     scored = batch["target_docs"] >= 0
+    if two:
+      alone_, hidden = fn(params, args[0], None, *args[2:])
+      nll_alone.append(np.asarray(alone_)[scored].astype(np.float64))
     targets = batch["targets"][scored]
     start = time.perf_counter()
     distances, values = store.search(np.asarray(hidden)[scored], k)
@@ -97,8 +106,11 @@ def score_heldout(config, params, store: ds.Datastore, db, *, k: int, temperatur
                              for t in temperatures], axis=1))
     docs.append(batch["target_docs"][scored])
     nll.append(np.asarray(token_nll_)[scored].astype(np.float64))
-  return {"doc": np.concatenate(docs), "nll": np.concatenate(nll),
-          "log_knn": np.concatenate(log_knn), "search_seconds": seconds}
+  out = {"doc": np.concatenate(docs), "nll": np.concatenate(nll),
+         "log_knn": np.concatenate(log_knn), "search_seconds": seconds}
+  if two:
+    out["nll_no_neighbours"] = np.concatenate(nll_alone)
+  return out
 
 
 def interpolated_nll(nll: np.ndarray, log_knn: np.ndarray, lam: float) -> np.ndarray:
@@ -124,9 +136,10 @@ def _summary(nll_doc: np.ndarray, doc_bytes: np.ndarray, doc_tokens: np.ndarray)
 
 
 def report_model(scores: dict, documents: list[dict], dev: np.ndarray, lambdas,
-                 temperatures) -> dict:
+                 temperatures, reference: tuple[str, np.ndarray] | None = None) -> dict:
   """Lambda (and temperature) tuned on the dev documents' tokens; each half's figures alone and
-  interpolated, with the paired difference."""
+  interpolated, with the paired difference; `reference` (name, nll [T] of another model over the
+  same tokens) adds the paired difference interpolated - that model alone."""
   on_dev = dev[scores["doc"]]
   best, grid = tune(scores["nll"][on_dev], scores["log_knn"][on_dev], lambdas, temperatures)
   knn = interpolated_nll(scores["nll"], scores["log_knn"][:, list(temperatures).index(
@@ -144,16 +157,24 @@ def report_model(scores: dict, documents: list[dict], dev: np.ndarray, lambdas,
                  "alone": _summary(alone, doc_bytes[ids], tokens),
                  "knnlm": _summary(inter, doc_bytes[ids], tokens),
                  "difference": {"bits_per_byte": diff, "se": diff_se}}
+    if reference is not None:
+      diff, diff_se = ratio_se((inter - per_doc(reference[1])) / LN2, doc_bytes[ids])
+      out[half]["vs_reference"] = {"model": reference[0], "bits_per_byte": diff, "se": diff_se}
   return out
 
 
 def evaluate_knnlm(exports: dict[str, str], db, out_dir: str, *, datastore_dirs: dict[str, str],
                    k: int = 1024, lambdas=LAMBDAS, temperatures=(1.0,), searcher: str = "exact",
                    batch_size: int = 8, dtype: str = "float32",
-                   searcher_options: dict | None = None) -> dict:
+                   searcher_options: dict | None = None, decoder_memory: bool = False) -> dict:
   """Each exported decoder alone and as a kNN-LM over its own datastore (built, resumed or
   reused in datastore_dirs[name]); writes knnlm.json and knnlm.md to `out_dir`; returns the
-  report. Every setting, export and datastore directory is checked before the first build."""
+  report. Every setting, export and datastore directory is checked before the first build.
+
+  decoder_memory: a RETRO decoder's datastore holds its states without its neighbours (its CCA
+  layers skipped), and it is reported twice over that one memory: as `<name>_no_neighbours`
+  (for a RETROfit with a frozen decoder: the pre-trained decoder and its kNN-LM) and with its
+  neighbours (RETRO + the decoder's kNN-LM)."""
   check_settings(k=k, lambdas=lambdas, temperatures=temperatures, searcher=searcher,
                  batch_size=batch_size, dtype=dtype, searcher_options=searcher_options)
   if k > ds.num_entries(db):
@@ -166,16 +187,19 @@ def evaluate_knnlm(exports: dict[str, str], db, out_dir: str, *, datastore_dirs:
     config, params, meta = retro_export.load(path, flag="--models")
     db.check_compatible(meta["tokenizer"], meta["key_fingerprint"])
     ds.check_directory(datastore_dirs[name], ds.datastore_settings(
-        config, params, db, source=path, dtype=dtype, batch_size=batch_size))
+        config, params, db, source=path, dtype=dtype, batch_size=batch_size,
+        neighbours=not decoder_memory))
   documents = db.documents("heldout")
   dev = dev_documents(documents)
   report = {"k": k, "searcher": searcher, "searcher_options": dict(searcher_options or {}),
+            "decoder_memory": decoder_memory,
             "lambdas": list(lambdas), "temperatures": list(temperatures), "models": {}}
   for name, path in exports.items():
     config, params, _ = retro_export.load(path, flag="--models")
     params = jax.device_put(params)
     manifest = ds.build_datastore(config, params, db, datastore_dirs[name], source=path,
-                                  dtype=dtype, batch_size=batch_size)
+                                  dtype=dtype, batch_size=batch_size,
+                                  neighbours=not decoder_memory)
     start = time.perf_counter()
     store = ds.Datastore.open(datastore_dirs[name], model_fingerprint=manifest["model_fingerprint"],
                               db_fingerprint=db.fingerprint, searcher=searcher,
@@ -183,20 +207,28 @@ def evaluate_knnlm(exports: dict[str, str], db, out_dir: str, *, datastore_dirs:
     index_seconds = time.perf_counter() - start
     scores = score_heldout(config, params, store, db, k=k,
                            temperatures=temperatures, batch_size=batch_size,
-                           desc=f"kNN-LM {name}")
+                           desc=f"kNN-LM {name}", decoder_memory=decoder_memory)
     del store
     queries = len(scores["nll"])
-    result = report_model(scores, documents, dev, lambdas, temperatures)
-    result["datastore"] = {key: manifest[key] for key in ("count", "dim", "dtype", "bytes",
-                                                          "seconds", "reused")}
-    result["datastore"]["directory"] = datastore_dirs[name]
-    result["search"] = {"queries": queries, "open_seconds": round(index_seconds, 2),
-                        "seconds": round(scores["search_seconds"], 2),
-                        "queries_per_s": round(queries / max(scores["search_seconds"], 1e-9), 1)}
-    report["models"][name] = result
-    logging.info("kNN-LM %s: test bits per byte %.4f alone, %.4f interpolated (lambda %.2f).",
-                 name, result["test"]["alone"]["bits_per_byte"],
-                 result["test"]["knnlm"]["bits_per_byte"], result["lambda"])
+    rows = {name: scores["nll"]}
+    if "nll_no_neighbours" in scores:
+      rows = {f"{name}_no_neighbours": scores["nll_no_neighbours"], **rows}
+    for row, nll in rows.items():
+      reference = (f"{name}_no_neighbours", scores["nll_no_neighbours"]) if (
+          row == name and len(rows) == 2) else None
+      result = report_model({**scores, "nll": nll}, documents, dev, lambdas, temperatures,
+                            reference=reference)
+      result["datastore"] = {key: manifest[key] for key in ("count", "dim", "dtype", "bytes",
+                                                            "seconds", "reused")}
+      result["datastore"]["directory"] = datastore_dirs[name]
+      result["search"] = {"queries": queries, "open_seconds": round(index_seconds, 2),
+                          "seconds": round(scores["search_seconds"], 2),
+                          "queries_per_s": round(queries / max(scores["search_seconds"], 1e-9),
+                                                 1)}
+      report["models"][row] = result
+      logging.info("kNN-LM %s: test bits per byte %.4f alone, %.4f interpolated (lambda %.2f).",
+                   row, result["test"]["alone"]["bits_per_byte"],
+                   result["test"]["knnlm"]["bits_per_byte"], result["lambda"])
   write_json(os.path.join(out_dir, "knnlm.json"), report)
   atomic_write(os.path.join(out_dir, "knnlm.md"),
                lambda p: open(p, "w", encoding="utf-8").write(markdown(report)))
@@ -215,7 +247,9 @@ def markdown(report: dict) -> str:
               f"on the other half, {first['dev']['documents']:,} documents). k = {report['k']}, "
               f"searcher {report['searcher']}"
               + (f" {report['searcher_options']}" if report.get("searcher_options") else "")
-              + ".", ""]
+              + "." + (" Every datastore holds its decoder's states without neighbours (CCA "
+                       "skipped), also the queries of the rows with neighbours."
+                       if report.get("decoder_memory") else ""), ""]
   lines += ["| model | bits per byte ± s.e. | perplexity ± s.e. | + kNN-LM: bits per byte "
             "± s.e. | perplexity ± s.e. | difference (paired), bits per byte ± s.e. | lambda | T |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -225,6 +259,11 @@ def markdown(report: dict) -> str:
                  f"{a['perplexity_se']:.1f} | {b['bits_per_byte']:.4f} ± {b['se']:.4f} | "
                  f"{b['perplexity']:.1f} ± {b['perplexity_se']:.1f} | {d['bits_per_byte']:+.4f} "
                  f"± {d['se']:.4f} | {m['lambda']:.2f} | {m['temperature']:g} |")
+  for name, m in models.items():
+    v = m["test"].get("vs_reference")
+    if v:
+      lines += ["", f"{name} + kNN-LM - {v['model']} alone (paired over the test documents): "
+                f"{v['bits_per_byte']:+.4f} ± {v['se']:.4f} bits per byte."]
   lines += ["", "| model | datastore entries | bytes | build (s) | searcher opened (s) | "
             "queries | search (s) | queries/s |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -9,7 +9,8 @@ token; searched by squared L2 distance through a `DocIndex`.
     distances, values = store.search(queries, k=1024)   # [Q, k]: exact squared L2, next tokens
 
 The decoder reads each train sequence as it was trained on it: a RETRO export with the sequence's
-own neighbours, the baseline without. Squared L2 is searched as an inner product: a key k is
+own neighbours (or, with `neighbours=False`, without them: its CCA layers skipped), the baseline
+without. Squared L2 is searched as an inner product: a key k is
 stored as [k, |k|^2] and a query q asked as [2q, -1], whose product 2 q.k - |k|^2 = |q|^2 -
 |q - k|^2 ranks the keys nearest first; the distances of the neighbours found are then recomputed
 from the stored keys in float32 (never from that difference of large numbers).
@@ -47,6 +48,7 @@ from flax.traverse_util import flatten_dict
 from tqdm.auto import tqdm
 
 from realm_jax import config_checks, io_utils
+from realm_jax.checkpoints.decoder import is_decoder_param
 from realm_jax.models.retro import RetroConfig, RetroModel
 from realm_jax.retrieval.index import DocIndex
 from realm_jax.retrieval.index_store import DTYPES, arrays_crc32, write_index
@@ -59,11 +61,20 @@ SHARD_SEQUENCES = 256   # train sequences per resumable shard (65k entries of th
 _DISTANCE_BATCH = 256   # queries whose [batch, k, H] neighbour keys are gathered at once
 
 
-def model_fingerprint(config: RetroConfig, params) -> str:
-  """16 hex digits identifying a decoder: its config and the CRC-32 of its parameters."""
+def model_fingerprint(config: RetroConfig, params, neighbours: bool = True) -> str:
+  """16 hex digits identifying a decoder: its config and the CRC-32 of its parameters. A RETRO
+  decoder read without its neighbours (`neighbours=False`: its CCA layers skipped) is its decoder
+  alone: the config without CCA layers and the decoder's parameters only (so the RETROfits of one
+  frozen decoder, whatever their seeds, share one fingerprint)."""
   flat = flatten_dict(params)
+  what = []
+  if not neighbours and config.retrieval:
+    flat = {k: v for k, v in flat.items() if is_decoder_param(k)}
+    config = dataclasses.replace(config, cca_layers=(), zero_init_cca=False,
+                                 encoder_layers=0, encoder_size=0, num_neighbours=0)
+    what = ["without neighbours"]
   crc = arrays_crc32(*[np.asarray(flat[k], np.float32) for k in sorted(flat)])
-  text = json.dumps([dataclasses.asdict(config), crc], sort_keys=True, default=list)
+  text = json.dumps([dataclasses.asdict(config), crc] + what, sort_keys=True, default=list)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -104,10 +115,11 @@ def check_options(*, dtype: str = "float32", batch_size: int = 8,
 
 def datastore_settings(config: RetroConfig, params, db, *, source: str = "",
                        dtype: str = "float32", batch_size: int = 8,
-                       shard_size: int = SHARD_SEQUENCES) -> dict:
+                       shard_size: int = SHARD_SEQUENCES, neighbours: bool = True) -> dict:
   """What a datastore is built from and how (settings.json): `source` says where the decoder
-  came from (its export directory), for the messages."""
-  return {"version": VERSION, "model_fingerprint": model_fingerprint(config, params),
+  came from (its export directory), for the messages; `neighbours`: whether a RETRO decoder
+  reads its neighbours while its keys are computed (part of the model's fingerprint)."""
+  return {"version": VERSION, "model_fingerprint": model_fingerprint(config, params, neighbours),
           "db_fingerprint": db.fingerprint, "model": os.path.abspath(source) if source else "",
           "db": os.path.abspath(db.directory), "dtype": dtype, "batch_size": batch_size,
           "shard_size": shard_size}
@@ -178,7 +190,8 @@ def _read_shard(path: str) -> tuple[np.ndarray, np.ndarray, float]:
 
 def build_datastore(config: RetroConfig, params, db, directory: str, *, source: str = "",
                     dtype: str = "float32", batch_size: int = 8,
-                    shard_size: int = SHARD_SEQUENCES, flag: str = "--datastore_dir") -> dict:
+                    shard_size: int = SHARD_SEQUENCES, neighbours: bool = True,
+                    flag: str = "--datastore_dir") -> dict:
   """Builds the datastore of a decoder over `db`'s train split in `directory`, or finishes an
   interrupted build, or finds a complete one; returns its manifest (with "reused": whether it
   was complete before this call).
@@ -192,6 +205,8 @@ def build_datastore(config: RetroConfig, params, db, directory: str, *, source: 
       from the stored keys in float32; bfloat16 halves the memory and ranks less exactly).
     batch_size: train sequences per decoder call.
     shard_size: train sequences per resumable shard.
+    neighbours: False: a RETRO decoder's keys are computed without its neighbours (its CCA layers
+      skipped; for a RETROfit with a frozen decoder, the keys of the pre-trained decoder).
 
   Raises:
     ValueError naming `flag` when `directory` holds the datastore of another model or database
@@ -203,7 +218,8 @@ def build_datastore(config: RetroConfig, params, db, directory: str, *, source: 
     raise ValueError(f"{flag}={directory}: the datastore is built on a local disk; give a local "
                      "directory.")
   settings = datastore_settings(config, params, db, source=source, dtype=dtype,
-                                batch_size=batch_size, shard_size=shard_size)
+                                batch_size=batch_size, shard_size=shard_size,
+                                neighbours=neighbours)
   if check_directory(directory, settings, flag):
     manifest = io_utils.read_json(os.path.join(directory, MANIFEST))
     logging.info("kNN-LM datastore in %s: complete, reusing it (%d entries).", directory,
@@ -237,10 +253,10 @@ def build_datastore(config: RetroConfig, params, db, directory: str, *, source: 
       lo, hi = s * shard_size, min(num_seqs, (s + 1) * shard_size)
       keys, values = [], []
       for b in range(lo, hi, batch_size):
-        inputs, segments, targets, scored, neighbours = _train_batch(
+        inputs, segments, targets, scored, read = _train_batch(
             db, b, min(hi, b + batch_size), batch_size, k_read)
-        hidden = np.asarray(hidden_fn(params, inputs, neighbours if config.retrieval else None,
-                                      segments))
+        hidden = np.asarray(hidden_fn(params, inputs, read if config.retrieval and neighbours
+                                      else None, segments))
         keys.append(hidden[scored].astype(np.float32))   # [n, H], sequence-major
         values.append(targets[scored].astype(np.int32))
         bar.update(min(batch_size, hi - b))
