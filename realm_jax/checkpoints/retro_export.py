@@ -12,6 +12,7 @@ import os
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from realm_jax.checkpoints.hf import CheckpointError
 from realm_jax.io_utils import as_path, atomic_write_dir, local_file, read_json, write_json
 from realm_jax.models.retro import RetroConfig
 from realm_jax.retrieval.index_store import arrays_crc32
@@ -55,10 +56,15 @@ def load(directory: str, flag: str = "--model") -> tuple[RetroConfig, dict, dict
   """(config, params, meta) of an export; a missing or damaged one is an error naming `flag`."""
   from safetensors import safe_open
   config, meta = _read_config(directory, flag)
-  with local_file(os.path.join(directory, PARAMS)) as p, safe_open(p, framework="numpy") as f:
-    flat = {k: f.get_tensor(k) for k in f.keys()}
-    want = (f.metadata() or {}).get("arrays_crc32")
+  with local_file(os.path.join(directory, PARAMS)) as p:
+    try:
+      with safe_open(p, framework="numpy") as f:
+        flat = {k: f.get_tensor(k) for k in f.keys()}
+        want = (f.metadata() or {}).get("arrays_crc32")
+    except Exception as e:  # safetensors raises its own error types
+      raise CheckpointError(f"{flag}={directory}: {PARAMS} is not a readable safetensors file "
+                            f"({e}); export the model again.") from None
   if want is not None and arrays_crc32(*[flat[k] for k in sorted(flat)]) != want:
-    raise ValueError(f"{flag}={directory}: {PARAMS} is corrupt (its CRC-32 does not match); "
-                     "export the model again.")
+    raise CheckpointError(f"{flag}={directory}: {PARAMS} is corrupt (its CRC-32 does not "
+                          "match); export the model again.")
   return config, unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()}), meta
