@@ -37,15 +37,17 @@ def main(argv):
     cli.fail(f"--batch_size={_BATCH.value}: give a positive number of sequences.")
   db_dir = _DB.value or os.path.join(workdir, "db")
   if _MODELS.value:
-    exports = {os.path.basename(os.path.dirname(p.rstrip("/"))) or p: p for p in _MODELS.value}
+    exports = retro_eval.export_names(_MODELS.value)
   else:
     exports = {n: os.path.join(workdir, n, "export") for n in ("retro", "baseline")
                if os.path.exists(os.path.join(workdir, n, "export"))}
     if not exports:
       cli.fail(f"--workdir={workdir}: no trained model there (retro/export or baseline/export); "
                "run experiments/retro_train.py first.")
+  out = _OUT.value or workdir
+  retro_eval.check_out_dir(out)  # before the database opens (it reads all its files to verify them)
   db = RetroDb.open(db_dir)
-  report = retro_eval.evaluate_exports(exports, db, _OUT.value or workdir, _BATCH.value,
+  report = retro_eval.evaluate_exports(exports, db, out, _BATCH.value,
                                        heldout_in_database=_LEAKY.value)
   print(retro_eval.markdown(report))
 

@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -142,6 +143,25 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
   write_text(path, json.dumps(obj, indent=2))
+
+
+def check_writable(directory: str | os.PathLike, what: str) -> None:
+  """Makes `directory` (local or gs://) and writes and deletes a file in it, so that an output
+  directory that cannot be written fails before the work whose results go there, not after it.
+
+  Raises:
+    OSError "<directory> cannot be written (<reason>); <what>" (`what`: what goes there and what
+    to do).
+  """
+  path = as_path(directory)
+  probe = path / f".write-test-{uuid.uuid4().hex}"
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    probe.write_bytes(b"")
+    probe.unlink()
+  except OSError as e:
+    reason = "it is a file" if isinstance(e, FileExistsError) else e.strerror or e
+    raise OSError(f"{os.fspath(directory)} cannot be written ({reason}); {what}") from e
 
 
 class JSONFileError(json.JSONDecodeError):

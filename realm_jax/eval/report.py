@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import os
-import uuid
 
 import numpy as np
 
@@ -50,17 +49,9 @@ def check_writable(out_dir: str) -> None:
   Raises:
     OSError naming the directory and what to do.
   """
-  directory = io_utils.as_path(out_dir)
-  probe = directory / f".write-test-{uuid.uuid4().hex}"
-  try:
-    directory.mkdir(parents=True, exist_ok=True)
-    probe.write_bytes(b"")
-    probe.unlink()
-  except OSError as e:
-    raise OSError(
-        f"{out_dir} cannot be written ({e.strerror or e}); the predictions and results.json go "
-        "there. Make it writable (or move away a file that stands where one of its folders "
-        "should be), or evaluate a writable copy of the work directory.") from e
+  io_utils.check_writable(out_dir, "the predictions and results.json go there. Make it writable "
+                          "(or move away a file that stands where one of its folders should be), "
+                          "or evaluate a writable copy of the work directory.")
 
 
 def check_systems(systems, recall_only=()) -> None:

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from realm_jax import io_utils
 from realm_jax.checkpoints import retro_export
 from realm_jax.data.retro_batches import retro_batches
 from realm_jax.eval.stats import ratio_se
@@ -72,6 +73,34 @@ def overlap_buckets(targets: np.ndarray, neighbours: np.ndarray, chunk_length: i
   return out
 
 
+def export_names(paths: list[str], flag: str = "--models") -> dict[str, str]:
+  """{name: export directory} of `paths`, each named by the directory above its export/ ("retro",
+  "baseline"); where two would share a name, all are named by as many of the directories above
+  as make the names unique ("seed0/retro", "seed1/retro"), and the log says so.
+
+  Raises:
+    ValueError naming `flag` when a directory is given twice.
+  """
+  parts = [[p for p in os.path.normpath(path).split(os.sep) if p] or [path] for path in paths]
+  parts = [p[:-1] if len(p) > 1 and p[-1] == "export" else p for p in parts]
+  for depth in range(1, max(map(len, parts)) + 1):
+    names = ["/".join(p[-depth:]) for p in parts]
+    if len(set(names)) == len(names):
+      if depth > 1:
+        logging.info("%s: exports of the same name, named by their paths: %s.", flag,
+                     ", ".join(names))
+      return dict(zip(names, paths))
+  twice = next(p for i, p in enumerate(paths) if parts[i] in parts[:i])
+  raise ValueError(f"{flag}={','.join(paths)}: {twice} is given twice; give each export once.")
+
+
+def check_out_dir(out_dir: str) -> None:
+  """OSError naming `out_dir` when eval.json, eval.md and bpb.png could not be written there
+  (before the evaluation, not after it)."""
+  io_utils.check_writable(out_dir, "eval.json, eval.md and bpb.png go there: make it writable, "
+                          "or write them elsewhere (experiments/retro_eval.py --out).")
+
+
 def _per_token_nll(config, params, db, retrieval: bool, batch_size: int, neighbours=None):
   """Yields (batch, nll [B, L]) over every held-out sequence. `neighbours` [S, n, k, 2m]: read
   these instead of the records' own (the held-out-in-database condition); the batch's
@@ -92,12 +121,14 @@ def _per_token_nll(config, params, db, retrieval: bool, batch_size: int, neighbo
 def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int = 8,
                      heldout_in_database: bool = False) -> dict:
   """Bits per byte of each exported model over the database's held-out documents (a "retro"
-  model also without its neighbours); writes eval.json, eval.md and bpb.png to `out_dir`.
+  model also without its neighbours); writes eval.json, eval.md and bpb.png to `out_dir` (one
+  that cannot be written fails first).
 
   heldout_in_database: a retrieval model is also scored (as `<name>_heldout_in_db`) with the
   neighbours of the paper's Wikitext-103 condition, searched among the held-out chunks too
   (`RetroDb.heldout_in_database_neighbours`): a chunk may read the rest of its own document, so
   that figure measures copying, not held-out modelling."""
+  check_out_dir(out_dir)
   leaky = None
   if heldout_in_database and any(retro_export.load_config(p).retrieval
                                  for p in exports.values()):
