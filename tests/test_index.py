@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import chex
 import jax
@@ -520,6 +521,26 @@ def test_index_damaged_after_saving_is_refused(tmp_path):
       rf"{arrays} is corrupt: its arrays' CRC-32 is [0-9a-f]{{8}}, but its manifest says "
       rf"[0-9a-f]{{8}} .*Delete {path} and rebuild the index \(e\.g\. experiments/build_index.py")):
     DocIndex.load(path)
+
+
+def test_a_damaged_index_says_what_its_owner_advises(tmp_path):
+  """The index of a RETRO database or a kNN-LM datastore is not built by build_index.py, which
+  its error advised: the one that owns an index passes what to do."""
+  emb, ids, _ = untied_data(11, 200, q=1)
+  path = tmp_path / "db" / "index"
+  DocIndex(emb, ids).save(path, step=0, model_fingerprint="m", corpus_fingerprint="c")
+  arrays = path / "index.safetensors"
+  data = arrays.read_bytes()
+  remedy = "Delete the database db and build it again (experiments/retro_train.py)."
+  for damaged, says in ((data[:-8] + bytes(b ^ 0xFF for b in data[-8:]), "is corrupt"),
+                        (data[:len(data) // 2], "cannot be read")):
+    arrays.write_bytes(damaged)
+    with pytest.raises(ValueError, match=rf"{says}.*\. {re.escape(remedy)}$") as e:
+      DocIndex.load(path, remedy=remedy)
+    assert "build_index" not in str(e.value)
+    with pytest.raises(ValueError, match=rf"{says}.*Delete {path} and rebuild the index \(e\.g\. "
+                                         r"experiments/build_index\.py\)\.$"):
+      DocIndex.load(path)  # a REALM block index: the default advice
 
 
 def test_index_saved_without_a_checksum_still_loads(tmp_path):

@@ -195,7 +195,8 @@ class DocIndex:
   def load(cls, directory: str | os.PathLike, *, expected_dim: int | None = None,
            expected_corpus_fingerprint: str | None = None,
            expected_model_fingerprint: str | None = None, searcher: str = "exact",
-           mesh: Mesh | None = None, dtype: str | None = None, **options) -> "DocIndex":
+           mesh: Mesh | None = None, dtype: str | None = None, remedy: str | None = None,
+           **options) -> "DocIndex":
     """Reads an index written by `save`; `options` go to the constructor. Its arrays must have
     the CRC-32 its manifest records (indexes saved before manifests had one are not checked).
 
@@ -203,6 +204,9 @@ class DocIndex:
       expected_dim / expected_corpus_fingerprint / expected_model_fingerprint: if given, must
         match the manifest (the last: the document tower that embedded the blocks).
       dtype: storage dtype to use (default: the saved one).
+      remedy: what the error for damaged arrays tells the user to do (default:
+        `index_store.rebuild_advice`, for REALM's block indexes); a RETRO database or a kNN-LM
+        datastore says how it is built again.
     """
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
@@ -218,7 +222,8 @@ class DocIndex:
       if expected is not None and manifest[key] != expected:
         raise ValueError(f"The index in {directory} was {what} {manifest[key]!r}, but "
                          f"{expected!r} was expected: {fix}")
-    with open_arrays(directory, manifest) as (rows, ids):  # read into the searcher a slice at a time
+    # Read into the searcher a slice at a time.
+    with open_arrays(directory, manifest, remedy) as (rows, ids):
       index = cls(rows, ids, searcher, mesh=mesh, dtype=dtype or manifest["dtype"], **options)
     index.manifest, index.directory = manifest, directory
     return index

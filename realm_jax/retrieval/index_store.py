@@ -162,12 +162,22 @@ def updated_rows(block_ids: np.ndarray, directory: str, manifest: dict,
                f"({len(old_ids) - reused:,} removed)")
 
 
+def rebuild_advice(directory: str) -> str:
+  """What a damaged index's error tells the user to do, unless the one that owns the index (a
+  RETRO database, a kNN-LM datastore) passes its own `remedy`: REALM's block indexes are built
+  by experiments/build_index.py (and pre-training's refreshes)."""
+  return f"Delete {directory} and rebuild the index (e.g. experiments/build_index.py)."
+
+
 @contextlib.contextmanager
-def open_arrays(directory: str, manifest: dict) -> Iterator[tuple[HostRows, np.ndarray]]:
+def open_arrays(directory: str, manifest: dict,
+                remedy: str | None = None) -> Iterator[tuple[HostRows, np.ndarray]]:
   """(embeddings [N, D] as `HostRows` read from the file a slice at a time, block ids [N]) of
   `directory`, checked against its (validated) `manifest`: same shape and dtype, same save, same
-  CRC-32 (indexes saved before manifests had a CRC-32 are not checked); a clear error otherwise.
-  The rows can be read while the context is open (a gs:// file is a local copy until then)."""
+  CRC-32 (indexes saved before manifests had a CRC-32 are not checked); a clear error otherwise,
+  ending with `remedy` (what to do; default `rebuild_advice`). The rows can be read while the
+  context is open (a gs:// file is a local copy until then)."""
+  remedy = remedy or rebuild_advice(directory)
   with local_file(os.path.join(directory, ARRAYS)) as path:  # a gs:// file is downloaded
     try:
       header = read_safetensors_header(path)
@@ -176,19 +186,19 @@ def open_arrays(directory: str, manifest: dict) -> Iterator[tuple[HostRows, np.n
                  if "block_ids" in header[0] else None)
     except (ValueError, OSError, KeyError, TypeError) as e:
       raise ValueError(f"{directory}/{ARRAYS} cannot be read ({e}): the file is truncated or "
-                       f"corrupt. Delete {directory} and rebuild the index.") from e
+                       f"corrupt. {remedy}") from e
     if (rows is None or id_rows is None or rows.shape != (manifest["count"], manifest["dim"])
         or len(id_rows) != manifest["count"] or rows.dtype != DTYPES[manifest["dtype"]]
         or id_rows.dtype != np.int64):
       raise ValueError(f"{directory}/{ARRAYS} does not hold the [{manifest['count']}, "
                        f"{manifest['dim']}] {manifest['dtype']} embeddings and block ids its "
-                       "manifest promises; rebuild the index.")
+                       f"manifest promises. {remedy}")
     save_id = (header[0].get("__metadata__") or {}).get("save_id")
     if save_id != manifest.get("save_id"):  # both None for indexes saved before save_id existed
       raise ValueError(f"{directory} was saved again while it was being read (its manifest and "
                        "arrays come from different saves); load it again.")
     ids = read_all(id_rows).reshape(-1)
-    _check_crc(directory, manifest, rows, ids)
+    _check_crc(directory, manifest, rows, ids, remedy)
     yield rows, ids
 
 
@@ -202,7 +212,8 @@ def _as_column(header: tuple[dict, int], name: str) -> tuple[dict, int]:
   return {**tensors, name: info}, start
 
 
-def _check_crc(directory: str, manifest: dict, rows: HostRows, ids: np.ndarray) -> None:
+def _check_crc(directory: str, manifest: dict, rows: HostRows, ids: np.ndarray,
+               remedy: str) -> None:
   """ValueError unless the arrays read have the CRC-32 of the manifest (none before it existed).
   The rows are read a slice at a time."""
   want = manifest.get("arrays_crc32")
@@ -214,8 +225,7 @@ def _check_crc(directory: str, manifest: dict, rows: HostRows, ids: np.ndarray) 
   if got != want:
     raise ValueError(
         f"{directory}/{ARRAYS} is corrupt: its arrays' CRC-32 is {got}, but its manifest says "
-        f"{want} (the file was damaged after it was saved). Delete {directory} and rebuild the "
-        "index (e.g. experiments/build_index.py).")
+        f"{want} (the file was damaged after it was saved). {remedy}")
 
 
 def index_path(root: str | os.PathLike, step: int) -> str:
