@@ -1,4 +1,5 @@
-"""Memory per device of a pre-training run, estimated before it starts (realm_jax/train/memory.py).
+"""Memory per device of a pre-training or RETRO run, estimated before it starts
+(realm_jax/train/memory.py).
 
   python experiments/memory_estimate.py --config=realm_jax/configs/pretrain.py:paper_v4_64
   python experiments/memory_estimate.py --config=realm_jax/configs/pretrain.py:paper \
@@ -7,12 +8,15 @@
       --devices=64 --capacity_gib=16   # RETRO (realm_jax/configs/retro.py)
 """
 
+import math
+
 from absl import flags
 
 from realm_jax import cli
 from realm_jax.train import memory
 
-_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/pretrain.py:<variant>).")
+_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/pretrain.py:<variant> "
+                            "or realm_jax/configs/retro.py:<variant>).")
 _DEVICES = flags.DEFINE_integer("devices", 0, "Devices the batch and index are sharded over "
                                 "(default: the config's slice).")
 _ROWS = flags.DEFINE_integer("index_rows", 0, "Blocks in the index (default: 13,353,718 for "
@@ -23,8 +27,13 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
   del argv
+  for flag, default in ((_DEVICES, "the config's slice"), (_ROWS, "the corpus's blocks")):
+    if flag.value < 0:
+      cli.fail(f"--{flag.name}={flag.value}: give a positive number (0: {default}).")
+  if not (math.isfinite(_CAPACITY.value) and _CAPACITY.value >= 0):
+    cli.fail(f"--capacity_gib={_CAPACITY.value}: give a positive number of GiB (0: the slice's).")
   c = _CONFIG.value
-  if "db" in c:  # a RETRO config
+  if memory.run_kind(c, f"--config={flags.FLAGS['config'].config_filename}") == "retro":
     if not _DEVICES.value:
       cli.fail("--devices is needed for a RETRO config (e.g. --devices=8).")
     est = memory.retro_estimate(c, _DEVICES.value)

@@ -83,3 +83,20 @@ def test_pretraining_warns_when_the_estimate_does_not_fit_the_device(tiny, tmp_p
              for m in warnings), warnings
   table = [r.getMessage() for r in caplog.records if "Memory per device" in r.getMessage()]
   assert len(table) == 1 and "does NOT fit" in table[0]
+
+
+@pytest.mark.parametrize("name", ["ict", "dpr", "finetune", "build_index", "ablations"])
+def test_the_estimate_is_refused_for_configs_of_other_runs(name):
+  """memory_estimate.py ended in an AttributeError ('corpus', 'slice', 'share_embedders') for the
+  configs of the runs it does not estimate; now one error names the configs it does."""
+  import importlib
+  config = importlib.import_module(f"realm_jax.configs.{name}").get_config("tiny")
+  with pytest.raises(ValueError, match=rf"^--config=x\.py:tiny: .*configs/pretrain\.py or "
+                                       r"realm_jax/configs/retro\.py"):
+    memory.run_kind(config, "--config=x.py:tiny")
+
+
+def test_the_runs_it_estimates_are_known_by_their_configs():
+  from realm_jax.configs import pretrain, retro
+  assert memory.run_kind(pretrain.get_config("tiny")) == "pretrain"
+  assert memory.run_kind(retro.get_config("tiny")) == "retro"

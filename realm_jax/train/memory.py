@@ -50,6 +50,21 @@ SEARCH_QUERY_BATCH = 256  # ExactSearcher's query_batch_size (retrieval/exact.py
 MARGIN = 1.7
 
 
+def run_kind(config, flag: str = "--config") -> str:
+  """"pretrain" for a pre-training config (realm_jax/configs/pretrain.py: `estimate`), "retro"
+  for a RETRO one (realm_jax/configs/retro.py: `retro_estimate`).
+
+  Raises:
+    ValueError naming `flag` for any other config (ICT, DPR, fine-tuning, ...).
+  """
+  if "db" in config and "model" in config:
+    return "retro"
+  if all(k in config for k in ("num_candidates", "slice", "corpus", "index", "model")):
+    return "pretrain"
+  raise ValueError(f"{flag}: the memory estimate is for pre-training and RETRO runs; give a "
+                   "config of realm_jax/configs/pretrain.py or realm_jax/configs/retro.py.")
+
+
 def model_config(config) -> RealmConfig:
   """The model sizes of a run without loading weights: the config.json of the weights it starts
   from (`init.starting_weights`: the MiniLM package's, or --config.retriever_weights'), else
