@@ -8,9 +8,12 @@ step (orbax finalises a step by an atomic rename, or in GCS by writing a commit_
 so a run killed while saving leaves at worst an ignored unfinished step). Orbax takes gs://
 directories itself: arrays through TensorStore's GCS driver, the rest through etils.epath.
 
-A finished step can still be damaged afterwards (a file deleted or truncated, a disk or bucket
-mishap). `restore_latest` then falls back to the newest step that reads, and moves the damaged
-ones to `<directory>-damaged/<step>-<time>`: never deleted, but out of orbax's sight, so that
+A finished step can still be damaged afterwards (a file deleted, truncated or with bytes changed,
+a disk or bucket mishap). Each step's meta records the CRC-32 of every array of the state as it
+was saved, and a restore checks the arrays it read against it: a file whose bytes changed can
+still decode (orbax's compression carries no checksum) into other numbers, NaN among them.
+`restore_latest` falls back to the newest step that reads and matches its CRCs (a step saved
+before the CRCs were recorded is taken as it reads), and moves the damaged ones to `<directory>-damaged/<step>-<time>`: never deleted, but out of orbax's sight, so that
 neither the next resume nor the index refresher takes them for the latest, orbax's max_to_keep
 does not count or delete them, and the run saves those steps afresh as it gets there. A
 checkpoint of another model (another config) is an error, never passed over.
@@ -22,6 +25,7 @@ import logging
 import os
 import sys
 import time
+import zlib
 
 import grain
 import grain.checkpoint  # noqa: F401
@@ -43,8 +47,15 @@ def checkpoint_manager(directory: str, keep: int = 3, asynchronous: bool = True,
   return ocp.CheckpointManager(absolute(directory), options=options, item_handlers=handlers)
 
 
+# The meta key that holds the CRC-32 of each array of the state saved, by its path.
+CRC_KEY = "state_crc32"
+
+
 def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, data_iterator=None,
          force: bool = False) -> bool:
+  """Saves `state`, `meta` (with the CRC-32 of each array of `state` added under CRC_KEY) and the
+  data iterator's position as checkpoint `step`; False when the manager skips the step."""
+  meta = {**meta, CRC_KEY: state_crc32(state)}
   items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
   if data_iterator is not None:
     items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
@@ -54,10 +65,11 @@ def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, data_iter
 def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None, *,
                    set_aside: bool = True, hint: str = ""):
   """(state, meta) of the newest usable checkpoint, restoring `data_iterator` in place; None if
-  there is no checkpoint.
+  there is no checkpoint. `meta` is what `save` was given (without CRC_KEY).
 
   `state` is a template with the shapes and shardings to restore into. A damaged checkpoint
-  (files missing or unreadable) is passed over, with a warning, for the one before it; with
+  (files missing or unreadable, or arrays that read but differ from the CRC-32 recorded when it
+  was saved) is passed over, with a warning, for the one before it; with
   `set_aside` (a run that goes on writing there) the damaged ones are then moved aside (see the
   module docstring), else left as they are (a reader). Raises ValueError, changing nothing, when
   a checkpoint was made for another model (another config), or when none of them reads (naming
@@ -68,26 +80,22 @@ def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None, *,
   if data_iterator is not None:
     items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
   damaged = []  # (step, problem), newest first
-  for step in sorted(manager.all_steps(), reverse=True):
-    problem = _unreadable_or_misfit(manager, step, abstract)
-    if problem is None:
-      previous = sys.unraisablehook
-      sys.unraisablehook = _dropping_late_reads(previous)
-      try:
-        restored = manager.restore(step, args=ocp.args.Composite(**items))
-        sys.unraisablehook = previous  # every read is done: none can call back late
-      except Exception as e:  # noqa: BLE001  (orbax wraps TensorStore's errors in Exception)
-        if _read_error(e) is None:
-          raise
-        problem = _reason(_read_error(e))  # the model fits: a file is missing or unreadable
-    # Every host goes on with the same step (they read the same files, but not all of them).
-    if not distributed.allgather_rows(np.array([problem is None], np.int8)).all():
-      damaged.append((step, problem or "unreadable on another host"))
-      continue
-    if damaged:
-      _passed_over(manager, damaged, step, set_aside)
-    logging.info("Restored step %d from %s", step, manager.directory)
-    return restored["state"], restored["meta"]
+  previous = sys.unraisablehook
+  sys.unraisablehook = _dropping_late_reads(previous)
+  try:
+    for step in sorted(manager.all_steps(), reverse=True):
+      restored, meta, problem = _read(manager, step, abstract, items)
+      # Every host goes on with the same step (they read the same files, but not all of them).
+      if not distributed.allgather_rows(np.array([problem is None], np.int8)).all():
+        damaged.append((step, problem or "unreadable on another host"))
+        continue
+      if damaged:
+        _passed_over(manager, damaged, step, set_aside)
+      logging.info("Restored step %d from %s", step, manager.directory)
+      return restored, meta
+  finally:
+    if not damaged:  # every read succeeded: none can call back late
+      sys.unraisablehook = previous
   if not damaged:
     return None
   listed = "; ".join(f"step {s}: {p}" for s, p in damaged)
@@ -95,6 +103,23 @@ def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None, *,
       f"No checkpoint in {manager.directory} can be read ({listed}). Nothing was changed. "
       + (hint or f"Restore {manager.directory} from a backup, or move it away to start the run "
          "from step 0."))
+
+
+def _read(manager: ocp.CheckpointManager, step: int, abstract, items: dict):
+  """(state, meta without CRC_KEY, None) of checkpoint `step`, or (None, None, why it is
+  damaged); ValueError when it holds another model (see _unreadable_or_misfit)."""
+  problem = _unreadable_or_misfit(manager, step, abstract)
+  if problem is not None:
+    return None, None, problem
+  try:
+    restored = manager.restore(step, args=ocp.args.Composite(**items))
+  except Exception as e:  # noqa: BLE001  (orbax wraps TensorStore's errors in Exception)
+    if _read_error(e) is None:
+      raise
+    return None, None, _reason(_read_error(e))  # the model fits: a file is missing or unreadable
+  meta = dict(restored["meta"])
+  problem = _crc_mismatch(meta.pop(CRC_KEY, None), restored["state"])
+  return (None, None, problem) if problem else (restored["state"], meta, None)
 
 
 def _unreadable_or_misfit(manager: ocp.CheckpointManager, step: int, abstract) -> str | None:
@@ -134,6 +159,34 @@ def _misfit(saved, abstract) -> str:
   return f"{differ[0]} is {have[differ[0]]} there, {want[differ[0]]} here" if differ else ""
 
 
+def state_crc32(state) -> dict[str, str]:
+  """{path: CRC-32 as 8 hex digits} of each array of `state` as this host holds it: the whole
+  array when it is replicated or on this host's devices alone (the trainers' state is replicated);
+  an array split over hosts is left out, each host holding other bytes of it."""
+  crcs = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if isinstance(leaf, jax.Array):
+      if leaf.is_fully_replicated:
+        leaf = leaf.addressable_data(0)
+      elif not leaf.is_fully_addressable:
+        continue
+    data = np.ascontiguousarray(np.asarray(leaf)).reshape(-1).view(np.uint8)
+    crcs["/".join(_key_name(k) for k in path)] = f"{zlib.crc32(data):08x}"
+  return crcs
+
+
+def _crc_mismatch(saved: dict | None, restored) -> str | None:
+  """Why the arrays restored are not those saved (None: they are, or no CRCs were recorded)."""
+  if not saved:
+    return None
+  read = state_crc32(restored)
+  differ = sorted(k for k in saved.keys() & read.keys() if saved[k] != read[k])
+  if not differ:
+    return None
+  return (f"{len(differ)} of its arrays read other bytes than were saved, by the CRC-32 recorded "
+          f"then ({', '.join(differ[:2])}{', ...' if len(differ) > 2 else ''})")
+
+
 def _key_name(key) -> str:
   """A tree key as orbax names it on disk (dict key, attribute name or sequence index)."""
   for attr in ("key", "name", "idx"):
@@ -158,10 +211,11 @@ def _read_error(e: BaseException) -> BaseException | None:
 
 
 def _dropping_late_reads(previous):
-  """`previous` (a sys.unraisablehook) without the noise of a failed restore: when one read fails,
-  orbax closes its event loop while TensorStore's other reads are under way, and each of them,
-  done, calls back into the closed loop; Python prints that RuntimeError's traceback at any time
-  up to the exit, around the one clear message. Every other unraisable exception still prints."""
+  """`previous` (a sys.unraisablehook) without the noise of a failed read: when one read fails
+  (of the arrays, or of their metadata: one per array), orbax closes its event loop while
+  TensorStore's other reads are under way, and each of them, done, calls back into the closed
+  loop; Python prints that RuntimeError's traceback at any time up to the exit, around the one
+  clear warning. Every other unraisable exception still prints."""
   if getattr(previous, "drops_late_reads", False):
     return previous
 
