@@ -250,7 +250,8 @@ def test_a_checkpoint_whose_arrays_read_other_bytes_is_set_aside_for_the_one_bef
   warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
   assert len(warnings) == 1 and warnings[0].startswith(
       f"The checkpoint {directory}/6 is damaged (3 of its arrays read other bytes than were "
-      "saved, by the CRC-32 recorded then (params/b, params/w, ...)): step 4 is used instead"), warnings
+      "saved, by the CRC-32 recorded then (params/b, params/w, ...)): step 4 is used "
+      "instead"), warnings
   # A checkpoint without CRCs (saved before they were recorded) is taken as it reads.
   checkpoints.save(manager, 8, state, {"step": 8})
   meta_file = directory / "8" / "meta" / "metadata"

@@ -13,10 +13,11 @@ a disk or bucket mishap). Each step's meta records the CRC-32 of every array of 
 was saved, and a restore checks the arrays it read against it: a file whose bytes changed can
 still decode (orbax's compression carries no checksum) into other numbers, NaN among them.
 `restore_latest` falls back to the newest step that reads and matches its CRCs (a step saved
-before the CRCs were recorded is taken as it reads), and moves the damaged ones to `<directory>-damaged/<step>-<time>`: never deleted, but out of orbax's sight, so that
-neither the next resume nor the index refresher takes them for the latest, orbax's max_to_keep
-does not count or delete them, and the run saves those steps afresh as it gets there. A
-checkpoint of another model (another config) is an error, never passed over.
+before the CRCs were recorded is taken as it reads), and moves the damaged ones to
+`<directory>-damaged/<step>-<time>`: never deleted, but out of orbax's sight, so that neither the
+next resume nor the index refresher takes them for the latest, orbax's max_to_keep does not count
+or delete them, and the run saves those steps afresh as it gets there. A checkpoint of another
+model (another config) is an error, never passed over.
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None, *,
 
   `state` is a template with the shapes and shardings to restore into. A damaged checkpoint
   (files missing or unreadable, or arrays that read but differ from the CRC-32 recorded when it
-  was saved) is passed over, with a warning, for the one before it; with
-  `set_aside` (a run that goes on writing there) the damaged ones are then moved aside (see the
-  module docstring), else left as they are (a reader). Raises ValueError, changing nothing, when
+  was saved) is passed over, with one warning line, for the one before it; with `set_aside` (a
+  run that goes on writing there) the damaged ones are then moved aside (see the module
+  docstring), else left as they are (a reader). Raises ValueError, changing nothing, when
   a checkpoint was made for another model (another config), or when none of them reads (naming
   the directory and each one's problem, then `hint`: what the user can do).
   """
