@@ -11,7 +11,7 @@ the table is rewritten after every stage, and `--table_only` writes it without r
 
 from absl import flags, logging
 
-from realm_jax import cli
+from realm_jax import cli, config_checks, io_utils
 from realm_jax.eval import ablations
 from realm_jax.train import finetune, pretrain
 
@@ -25,7 +25,12 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   cli.quiet_library_logs()
+  config_checks.workdir(_WORKDIR.value)
   if _TABLE_ONLY.value:
+    if not io_utils.as_path(_WORKDIR.value).is_dir():
+      cli.fail(f"--workdir={_WORKDIR.value}: no such directory; --table_only writes the table of "
+               "the stages an ablations run there has finished: run without --table_only first, "
+               "or fix --workdir.")
     ablations.check_config(_CONFIG.value)
     ablations.write_table(_CONFIG.value, _WORKDIR.value)
   else:

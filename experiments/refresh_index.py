@@ -5,9 +5,11 @@ corpus with the newest checkpoint's document tower and publishes each index atom
   python experiments/refresh_index.py --flagfile=F
 """
 
+import math
+
 from absl import flags, logging
 
-from realm_jax import cli
+from realm_jax import cli, config_checks
 from realm_jax.train import refresher
 
 _CONFIG = cli.define_config("config", None, "The trainer's config (realm_jax/configs/pretrain.py:<variant>).")
@@ -21,6 +23,13 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   cli.quiet_library_logs()
+  # Before the wait for the trainer's config (minutes).
+  config_checks.workdir(_WORKDIR.value)
+  if not (math.isfinite(_POLL.value) and _POLL.value > 0):
+    cli.fail(f"--poll_seconds={_POLL.value}: give a positive number of seconds.")
+  if _IDLE.value is not None and not _IDLE.value >= 0:
+    cli.fail(f"--stop_after_idle_s={_IDLE.value}: give a number of seconds >= 0 (or leave it out: "
+             "never stop).")
   refresher.run_refresher(_CONFIG.value, _WORKDIR.value, poll_seconds=_POLL.value,
                           stop_after_idle_s=_IDLE.value)
 

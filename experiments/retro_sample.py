@@ -6,11 +6,13 @@ the neighbours it used printed as evidence.
       --prompt="..." --temperature=0.8 --top_k=40 --max_new_tokens=128
 """
 
+import math
 import os
 
 from absl import flags, logging
 
 from realm_jax import cli
+from realm_jax.checkpoints import retro_export
 from realm_jax.retrieval.chunk_db import RetroDb
 from realm_jax.systems.retro_lm import RetroLm
 
@@ -33,10 +35,19 @@ def main(argv):
   cli.quiet_library_logs()
   if not (_WORKDIR.value or (_MODEL.value and _DB.value)):
     cli.fail("give --workdir (a retro_train.py work directory), or both --model and --db.")
-  for flag in (_MAX_NEW, _TEMPERATURE, _TOP_K):
-    if flag.value < 0:
-      cli.fail(f"--{flag.name}={flag.value}: must not be negative.")
+  if not _PROMPT.value.strip():
+    cli.fail(f"--prompt={_PROMPT.value!r}: give the text to continue.")
+  if _MAX_NEW.value < 1:
+    cli.fail(f"--max_new_tokens={_MAX_NEW.value}: give at least 1.")
+  if not (math.isfinite(_TEMPERATURE.value) and _TEMPERATURE.value >= 0):
+    cli.fail(f"--temperature={_TEMPERATURE.value}: give 0 (greedy) or a positive number.")
+  if _TOP_K.value < 0:
+    cli.fail(f"--top_k={_TOP_K.value}: give 0 (every token) or a positive number.")
   model = _MODEL.value or os.path.join(_WORKDIR.value, "retro", "export")
+  vocab_size = retro_export.load_config(model).vocab_size  # retro.json only
+  if _TOP_K.value > vocab_size:
+    cli.fail(f"--top_k={_TOP_K.value}: the model has {vocab_size:,} tokens; give at most that "
+             "(0: every token).")
   db = RetroDb.open(_DB.value or os.path.join(_WORKDIR.value, "db"))
   lm = RetroLm(model, db, searcher=_SEARCHER.value)
   text, evidence = lm.generate(_PROMPT.value, _MAX_NEW.value, _TEMPERATURE.value, _TOP_K.value,

@@ -28,9 +28,18 @@ USER_ERRORS = (ValueError, OSError)
 
 
 def fail(message: str) -> NoReturn:
-  """Prints `error: <message>` as one line and exits with status 2."""
-  print(f"error: {_one_line(message)}", file=sys.stderr)
+  """Prints `error: <message>` as one line of its own and exits with status 2."""
+  print(f"{_fresh_line()}error: {_one_line(message)}", file=sys.stderr)
   sys.exit(2)
+
+
+def _fresh_line() -> str:
+  """A line break while a progress bar is open, else "": tqdm redraws its line after a carriage
+  return and ends it only when the bar closes, so an `error:` written after it would not start a
+  line of its own (`grep ^error:`)."""
+  tqdm = sys.modules.get("tqdm")
+  open_bars = getattr(getattr(tqdm, "tqdm", None), "_instances", ())  # enabled, not closed
+  return "\n" if len(open_bars) else ""
 
 
 def _one_line(message: str) -> str:

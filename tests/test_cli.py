@@ -3,7 +3,7 @@ status 2 and no traceback (realm_jax/cli.py), before any expensive work.
 
 The cases run once per session, as a user runs them: the first case of each script as its own
 `python experiments/<job>.py ...`, the others in children forked from one process that already
-imported what the scripts import (tests/cli_forks.py: otherwise starting Python and JAX ~85 times
+imported what the scripts import (tests/cli_forks.py: otherwise starting Python and JAX ~130 times
 is most of this file's time). Each test then checks one case's answer.
 """
 
@@ -137,8 +137,67 @@ def _cases(files):
       ("finetune-init-without-export", "finetune",
        ["--config=" + CONFIGS["finetune"], "--workdir={W}", f"--config.data.local_dir={NQ_OPEN}",
         f"--config.init={MISSING}"], ["--config.init", MISSING, "export"]),
+      *_newer_cases(files),
   ]
   return cases
+
+
+def _newer_cases(files):
+  """Cases of the entry points added with RETRO, kNN-LM and DPR, and of the tools beside them."""
+  export, db = files["export"], "--db=/nonexistent/db"
+  sample = ["--model=" + export, db]
+  memory = "memory_estimate"
+  return [
+      ("retro_eval-export-given-twice", "retro_eval",
+       [db, f"--models={export},{export}/", "--out={W}"], ["--models", export, "twice"]),
+      ("retro_eval-out-is-a-file", "retro_eval",
+       [db, f"--models={export}", f"--out={files['file']}"], ["--out", files["file"], "written"]),
+      ("retro_eval-out-under-a-file", "retro_eval",
+       [db, f"--models={export}", f"--out={files['file']}/eval"],
+       [f"{files['file']}/eval", "written"]),
+      ("retro_sample-empty-prompt", "retro_sample", [*sample, "--prompt="], ["--prompt=''"]),
+      ("retro_sample-blank-prompt", "retro_sample", [*sample, "--prompt=  "],
+       ["--prompt=", "text"]),
+      ("retro_sample-top-k-above-vocabulary", "retro_sample",
+       [*sample, "--prompt=The Nile", "--top_k=100000"], ["--top_k=100000", "100 tokens"]),
+      ("retro_sample-temperature-nan", "retro_sample",
+       [*sample, "--prompt=The Nile", "--temperature=nan"], ["--temperature=nan"]),
+      ("retro_sample-temperature-negative", "retro_sample",
+       [*sample, "--prompt=The Nile", "--temperature=-1"], ["--temperature=-1"]),
+      ("knnlm_eval-same-names", "knnlm_eval",
+       [db, "--models=a/retro/export,b/retro/export", "--out={W}"], ["--models", "same name"]),
+      ("knnlm_eval-bad-lambdas", "knnlm_eval", ["--workdir={W}", "--lambdas=0.1,x"],
+       ["--lambdas=0.1,x"]),
+      ("knnlm_eval-no-workdir", "knnlm_eval", [], ["--workdir", "--db", "--models", "--out"]),
+      (f"{memory}-negative-devices", memory,
+       ["--config=realm_jax/configs/pretrain.py:demo", "--devices=-4"], ["--devices=-4"]),
+      (f"{memory}-negative-capacity", memory,
+       ["--config=realm_jax/configs/pretrain.py:demo", "--devices=4", "--capacity_gib=-16"],
+       ["--capacity_gib=-16"]),
+      (f"{memory}-nan-capacity", memory,
+       ["--config=realm_jax/configs/pretrain.py:demo", "--devices=4", "--capacity_gib=nan"],
+       ["--capacity_gib=nan"]),
+      (f"{memory}-negative-index-rows", memory,
+       ["--config=realm_jax/configs/pretrain.py:tiny", "--devices=4", "--index_rows=-5"],
+       ["--index_rows=-5"]),
+      *[(f"{memory}-{job}-config", memory, [f"--config={CONFIGS[job]}", "--devices=4"],
+         [f"--config={CONFIGS[job]}", "configs/pretrain.py", "configs/retro.py"])
+        for job in ("dpr", "finetune", "ict")],
+      ("plot_metrics-empty-metrics", "plot_metrics", [f"--workdir={files['empty_run']}"],
+       [f"{files['empty_run']}/metrics.jsonl", "no metrics"]),
+      ("plot_metrics-unknown-metrics", "plot_metrics", [f"--workdir={files['unknown_run']}"],
+       [f"{files['unknown_run']}/metrics.jsonl", "none of the metrics"]),
+      ("plot_metrics-missing-workdir", "plot_metrics", ["--workdir={W}"], ["{W}/metrics.jsonl"]),
+      ("refresh_index-workdir-is-a-file", "refresh_index",
+       ["--config=" + CONFIGS["pretrain"], f"--workdir={files['file']}"],
+       ["--workdir", files["file"]]),
+      ("refresh_index-negative-poll", "refresh_index",
+       ["--config=" + CONFIGS["pretrain"], "--workdir={W}", "--poll_seconds=-1"],
+       ["--poll_seconds=-1"]),
+      ("ablations-table-only-without-a-run", "ablations",
+       ["--config=realm_jax/configs/ablations.py:tiny", "--workdir={W}", "--table_only"],
+       ["--workdir={W}", "--table_only"]),
+  ]
 
 
 def _command(case, tmp):
@@ -176,6 +235,16 @@ def answers(tmp_path_factory):
   with open(files["bad_jsonl"], "w") as f:
     f.write('{"title": "A", "text": "Some text.", "question": "q", "answer": ["a"]}\n'
             '{"title": "B", "text": oops}\n')
+  # A RETRO export's retro.json (what is read before the weights), runs' metrics.jsonl.
+  files["export"] = os.path.join(tmp, "a", "retro", "export")
+  os.makedirs(files["export"])
+  with open(os.path.join(files["export"], "retro.json"), "w") as f:
+    json.dump({"model": {"vocab_size": 100, "cca_layers": []}}, f)
+  for name, text in (("empty_run", ""), ("unknown_run", '{"step": 1, "split": "train", "x": 2}\n')):
+    files[name] = os.path.join(tmp, name)
+    os.makedirs(files[name])
+    with open(os.path.join(files[name], "metrics.jsonl"), "w") as f:
+      f.write(text)
   cases = _cases(files)
   commands = [_command(c, tmp) for c in cases]
   scripts = [script for script, _, _ in commands]
@@ -190,7 +259,7 @@ def answers(tmp_path_factory):
 
 
 def _ids():
-  fake = {"file": "F", "bad_jsonl": "B"}
+  fake = {"file": "F", "bad_jsonl": "B", "export": "E", "empty_run": "R0", "unknown_run": "R1"}
   return [c[0] for c in _cases(fake)]
 
 
@@ -199,7 +268,8 @@ def test_at_least_the_issue_cases():
 
 
 @pytest.mark.parametrize("name", _ids())
-# Slow: the `answers` fixture runs every case (~15 s on 2 cores).
+# Slow: the `answers` fixture runs every case (87 s on 2 cores shared with a busy job; 60 s there
+# before the 25 cases of the newer entry points).
 @pytest.mark.slow
 def test_user_mistake_is_one_error_line(answers, name):
   (_, _, _, words), got, workdir = answers[name]
@@ -210,3 +280,22 @@ def test_user_mistake_is_one_error_line(answers, name):
   assert len(errors) == 1, stderr[-3000:]
   for word in words:
     assert word.replace("{W}", workdir) in errors[0], errors[0]
+
+
+def test_an_error_after_a_progress_bar_starts_a_line_of_its_own(capsys):
+  """A progress bar leaves stderr mid-line (it redraws after a carriage return): the `error:`
+  written after it started no line, and `grep ^error:` did not find it."""
+  from tqdm.auto import tqdm
+  from realm_jax import cli
+  bar = tqdm(total=10, desc="evaluating")
+  bar.update(3)
+  with pytest.raises(SystemExit) as e:
+    cli.fail("--out=x: cannot be written.")
+  bar.close()
+  err = capsys.readouterr().err
+  assert e.value.code == 2
+  assert [line for line in err.splitlines() if line.startswith("error:")] == [
+      "error: --out=x: cannot be written."], err
+  with pytest.raises(SystemExit):  # without a bar: the one line alone, as before
+    cli.fail("two\nlines")
+  assert capsys.readouterr().err == "error: two lines\n"
