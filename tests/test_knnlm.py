@@ -12,6 +12,7 @@ the tiny chunk database (built once, ~5 s).
 import concurrent.futures
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -230,6 +231,20 @@ def test_the_datastore_of_another_model_is_refused(db, exports, retro_store):
   assert ds.build_datastore(*_load(exports["retro"]), db, directory, batch_size=4)["reused"]
   with pytest.raises(ValueError, match="model_fingerprint"):
     ds.Datastore.open(directory, model_fingerprint=ds.model_fingerprint(config, params))
+
+
+def test_a_damaged_datastore_says_to_build_the_datastore_again(db, exports, retro_store, tmp_path):
+  """Not build_index.py's advice (REALM's block indexes): the datastore's own."""
+  directory = str(tmp_path / "copy")
+  shutil.copytree(retro_store[0], directory)
+  arrays = os.path.join(directory, "index", "index.safetensors")
+  data = open(arrays, "rb").read()
+  with open(arrays, "wb") as f:
+    f.write(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
+  with pytest.raises(ValueError, match="is corrupt") as e:
+    ds.Datastore.open(directory)
+  assert f"Delete {directory} and build the datastore again" in str(e.value)
+  assert "build_index" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------ the evaluation

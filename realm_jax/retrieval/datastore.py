@@ -333,7 +333,9 @@ class Datastore:
     index = DocIndex.load(os.path.join(directory, "index"),
                           expected_corpus_fingerprint=manifest["db_fingerprint"],
                           expected_model_fingerprint=manifest["model_fingerprint"],
-                          searcher=searcher, **options)
+                          searcher=searcher,
+                          remedy=f"Delete {directory} and build the datastore again "
+                                 "(experiments/knnlm_eval.py builds it).", **options)
     values = np.load(os.path.join(directory, "values.npy"), allow_pickle=False)
     if values.shape != (manifest["count"],) or arrays_crc32(values) != manifest["values_crc32"]:
       raise ValueError(f"{directory}/values.npy is damaged (not the [{manifest['count']}] values "
