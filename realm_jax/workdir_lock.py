@@ -4,6 +4,8 @@
       Trainer(config, workdir).run()
     with workdir_lock.hold(workdir, REFRESHER):  # the index refresher, beside the trainer
       ...
+    with workdir_lock.hold(db_dir, DATABASE):    # a RETRO chunk database while it is built
+      ...
 
 Two trainers on one work directory would interleave their checkpoints, metrics.jsonl and
 config.json; the second is refused with `WorkdirInUseError` (an OSError: the entry points print it
@@ -12,6 +14,10 @@ as one `error:` line) naming the holder: its process id, host, start time and co
 On a local (or NFS) filesystem the lock is `fcntl.flock` on the open lock file: the kernel releases
 it when the process ends, however it ends, so a run killed with SIGKILL leaves nothing to clean
 up. The file's contents (the holder, written once the lock is held) serve only the error message.
+A run refused (its block raised) in a directory that `hold` created leaves nothing there: the lock
+file goes, and the directory when nothing else was written to it. A run that gets the lock checks
+that its file is still the one at the path (else it takes the lock again), so that a lock file
+deleted while another process opened it never lets two processes hold two files of one name.
 
 An object store (gs://) has no locks. There the file is a lease: the holder writes it, checks
 after `settle_s` that its own copy is the one that stayed (of two runs that start together, the
@@ -49,6 +55,7 @@ from realm_jax.io_utils import as_path, is_remote, write_text
 
 RUN = "run"               # everything that writes a work directory's checkpoints, config or index
 REFRESHER = "refresher"   # experiments/refresh_index.py, which runs beside the trainer
+DATABASE = "build"        # the build of a RETRO chunk database (retrieval/chunk_db.py)
 
 BEAT_S = 30.0
 EXPIRE_S = 90.0
@@ -70,9 +77,13 @@ def holder_info(name: str) -> dict:
           "command": " ".join(sys.argv), "token": uuid.uuid4().hex}
 
 
-# What a second holder of each lock would break.
-_WHY = {RUN: "two runs on one work directory would mix their checkpoints, metrics and config",
-        REFRESHER: "two refreshers would publish the same indexes over each other"}
+# Each lock's holder, what a second one would break, and the flag that names another directory.
+_WHO = {RUN: ("run", "two runs on one work directory would mix their checkpoints, metrics and "
+              "config", "--workdir"),
+        REFRESHER: ("index refresher", "two refreshers would publish the same indexes over each "
+                    "other", "--workdir"),
+        DATABASE: ("build of its chunk database", "two builds would write the database's files "
+                   "over each other", "--config.db.dir")}
 
 
 def in_use_error(workdir: str, name: str, holder: dict | None) -> WorkdirInUseError:
@@ -81,10 +92,10 @@ def in_use_error(workdir: str, name: str, holder: dict | None) -> WorkdirInUseEr
            f"{holder.get('started')}: {holder.get('command')}")
   else:
     who = "a process that has not written its name yet"
+  what, why, flag = _WHO.get(name, ("process", "it holds the lock", "--workdir"))
   return WorkdirInUseError(
-      f"{workdir} is in use by another {'index refresher' if name == REFRESHER else 'run'} "
-      f"({who}; lock file {lock_path(workdir, name)}): {_WHY.get(name, 'it holds the lock')}. "
-      "Wait for it to end or stop it, or pass another --workdir.")
+      f"{workdir} is in use by another {what} ({who}; lock file {lock_path(workdir, name)}): "
+      f"{why}. Wait for it to end or stop it, or pass another {flag}.")
 
 
 class FileLock:
@@ -96,16 +107,20 @@ class FileLock:
 
   def acquire(self) -> None:
     os.makedirs(self.workdir, exist_ok=True)
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      holder = self._read_holder(fd)
-      os.close(fd)
-      raise in_use_error(self.workdir, self.name, holder) from None
-    except BaseException:
-      os.close(fd)
-      raise
+    while True:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        holder = self._read_holder(fd)
+        os.close(fd)
+        raise in_use_error(self.workdir, self.name, holder) from None
+      except BaseException:
+        os.close(fd)
+        raise
+      if self._is_at_path(fd):
+        break
+      os.close(fd)  # its holder deleted it (see `remove`) after this process opened it: again
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(holder_info(self.name)).encode(), 0)
     self._fd = fd
@@ -121,11 +136,24 @@ class FileLock:
         time.sleep(0.05)
     return None
 
+  def _is_at_path(self, fd: int) -> bool:
+    try:
+      return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+      return False
+
   def release(self) -> None:
     if self._fd is not None:
-      # Emptied, not deleted: a file deleted while another process opens it would let two
-      # processes lock two different files of one name.
+      # Emptied, not deleted: the lock file of a work directory stays for the next run.
       os.ftruncate(self._fd, 0)
+      os.close(self._fd)
+      self._fd = None
+
+  def remove(self) -> None:
+    """Releases the lock, deleting its file (while it is still held: a process that opened the
+    file meanwhile is refused now, or finds it gone once it gets it, and opens a new one)."""
+    if self._fd is not None:
+      os.unlink(self.path)
       os.close(self._fd)
       self._fd = None
 
@@ -210,10 +238,13 @@ def hold(workdir: str, name: str = RUN) -> Iterator[None]:
   """Holds the `name` lock of `workdir` (created if missing) while the block runs.
 
   Raises WorkdirInUseError, naming the holder, when another process holds it. Only process 0 of a
-  multi-host run takes it; every process raises when it could not.
+  multi-host run takes it; every process raises when it could not. When the block raises in a
+  directory this call created, the lock file is deleted, and the directory if it is then empty:
+  a refused run leaves nothing behind.
   """
-  lock = None
+  lock, created = None, False
   if jax.process_index() == 0:
+    created = not is_remote(workdir) and not os.path.exists(workdir)
     lock = Lease(workdir, name) if is_remote(workdir) else FileLock(workdir, name)
     try:
       lock.acquire()
@@ -224,6 +255,12 @@ def hold(workdir: str, name: str = RUN) -> Iterator[None]:
     raise WorkdirInUseError(f"Process 0 could not take the lock of {workdir}: its error says why.")
   try:
     yield
+  except BaseException:
+    if created:
+      lock.remove()
+      with contextlib.suppress(OSError):  # not empty: what the run wrote stays
+        os.rmdir(workdir)
+    raise
   finally:
     if lock is not None:
       lock.release()

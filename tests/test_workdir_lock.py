@@ -87,3 +87,57 @@ def test_a_lease_nobody_renews_is_taken_over(tmp_path, caplog):
       assert json.load(f)["token"] == taker.me["token"]
   finally:
     taker.release()
+
+
+def test_a_refused_run_leaves_nothing_in_a_directory_it_made(tmp_path):
+  """A block that raises in a directory `hold` made (a run refused) leaves neither the lock file
+  nor the directory, nested holds included (a work directory and its chunk database); what a
+  block wrote stays, the lock file going; a directory that was there keeps its lock file."""
+  workdir = tmp_path / "w"
+  with pytest.raises(ValueError, match="refused"):
+    with hold(str(workdir)):
+      with hold(str(workdir / "db"), workdir_lock.DATABASE):
+        raise ValueError("refused")
+  assert not workdir.exists()
+  with pytest.raises(ValueError):
+    with hold(str(workdir)):
+      (workdir / "config.json").write_text("{}")
+      raise ValueError("refused")
+  assert sorted(os.listdir(workdir)) == ["config.json"]
+  with pytest.raises(ValueError):
+    with hold(str(workdir)):
+      raise ValueError("refused")
+  assert sorted(os.listdir(workdir)) == ["config.json", "run.lock"]
+  with hold(str(workdir)):  # the next run takes the lock as ever
+    pass
+
+
+def test_a_lock_file_deleted_while_another_process_opened_it_is_opened_again(tmp_path,
+                                                                          monkeypatch):
+  """The holder of a directory it made deletes its lock file when refused: a process that opened
+  the file just before and gets the lock once it is released must not hold the deleted file (a
+  third process would lock the new one beside it): it opens the file at the path again."""
+  workdir = str(tmp_path / "w")
+  os.makedirs(workdir)
+  first = workdir_lock.FileLock(workdir)
+  first.acquire()
+  opens = []
+  real_open = os.open
+
+  def open_then_release(path, *args):
+    fd = real_open(path, *args)
+    opens.append(path)
+    if len(opens) == 1:  # the second process opened the file; the first deletes it, done
+      first.remove()
+    return fd
+
+  monkeypatch.setattr(os, "open", open_then_release)
+  second = workdir_lock.FileLock(workdir)
+  second.acquire()
+  monkeypatch.undo()
+  try:
+    assert opens == [second.path, second.path]
+    with pytest.raises(WorkdirInUseError, match=rf"process {os.getpid()} "):
+      workdir_lock.FileLock(workdir).acquire()
+  finally:
+    second.release()
