@@ -20,7 +20,8 @@ from realm_jax.data.chunks import (NearDuplicates, chunk_documents, chunk_values
                                    write_sequences)
 from realm_jax.data.retro_batches import retro_batches
 from realm_jax.data.sources import documents
-from realm_jax.retrieval.chunk_db import MANIFEST, RetroDb, build_database
+from realm_jax.retrieval.chunk_db import (MANIFEST, SETTINGS as SETTINGS_FILE, RetroDb,
+                                          build_database, corpus_files, db_settings)
 from realm_jax.retrieval.neighbours import brute_force_neighbours
 from realm_jax.text.lm_tokenizer import key_inputs, load_lm_tokenizer, shares_vocab
 
@@ -461,7 +462,10 @@ def test_refused_settings_and_models(db, tmp_path):
     db.check_compatible(tokenizer_name=other)
   with pytest.raises(ValueError, match=rf"key_weights giving 0123.* with {db.key_fingerprint}"):
     db.check_compatible(key_fingerprint="0123")
-  db.check_compatible(db.tokenizer.name, db.key_fingerprint)
+  with pytest.raises(ValueError, match=rf"chunk_length giving 8, but the chunk database in "
+                     rf"{db.directory} with 16: use the database built with the model's"):
+    db.check_compatible(chunk_length=8)  # a RETRO model of other chunks
+  db.check_compatible(db.tokenizer.name, db.key_fingerprint, db.chunk_length)
   moved = RetroDb(db.directory, {**db.manifest, "key_fingerprint": "0123"}, db.tokenizer)
   with pytest.raises(ValueError, match=rf"key_weights=minilm now .*{db.key_fingerprint}.*0123"):
     moved.key_tower()
@@ -572,3 +576,93 @@ def test_killed_build_resumes_to_the_same_database(db, tmp_path):
       assert all((a[k] == b[k]).all() for k in a)
   np.testing.assert_array_equal(resumed.load_index().embeddings(), db.load_index().embeddings())
   assert not glob.glob(os.path.join(out, "*.shards-*")) + glob.glob(os.path.join(out, ".tmp-*"))
+
+
+def test_a_damaged_stage_is_built_again_when_a_build_resumes(db, tmp_path, caplog):
+  """A build killed after its neighbours stage, then train.neighbours.npy damaged: the build that
+  resumes checks the CRC-32 each finished stage recorded, warns, searches the neighbours again and
+  builds the stages after them: the same database as one never damaged (it used to write the
+  damaged neighbours into the records, and the models trained on them). Any stage is checked so
+  (the issue's was the keys: 64 bytes of train.keys.npy)."""
+  copy = str(tmp_path / "db")
+  shutil.copytree(db.directory, copy)
+  for name in (MANIFEST, "stage-examples.json"):
+    os.remove(os.path.join(copy, name))
+  damaged = os.path.join(copy, "train.neighbours.npy")
+  with open(damaged, "r+b") as f:
+    f.seek(-64, 2)
+    f.write(bytes(64))
+  caplog.set_level("INFO")
+  got = build_database(_config(), copy)
+  assert re.search(rf"RETRO database, neighbours: {damaged} is corrupt: its CRC-32 is "
+                   r"[0-9a-f]{8}, the build recorded [0-9a-f]{8}; building it again, and the "
+                   r"stages after it\.", caplog.text), caplog.text
+  assert "RETRO database, keys: done before, reusing it." in caplog.text
+  assert got.files_fingerprint == db.files_fingerprint
+  np.testing.assert_array_equal(got.array("train", "neighbours"), db.array("train", "neighbours"))
+
+
+def _wiki_jsonl(path, docs):
+  with open(path, "w", encoding="utf-8") as f:
+    for d in docs:
+      f.write(json.dumps({"title": d["title"], "text": d["text"]}) + "\n")
+
+
+def test_a_jsonl_corpus_changed_since_the_build_is_refused_naming_the_change(db, tmp_path):
+  """Documents removed and texts rewritten in the JSONL files of a database: the next build
+  (a complete database, or one that resumes after its text was read) is refused naming the file
+  and what to do, instead of going on with the old text as if it were the new. A file touched
+  but of the same text is no change."""
+  corpus = tmp_path / "corpus.jsonl"
+  docs = list(documents("wiki_vital", max_docs=30))
+  _wiki_jsonl(corpus, docs)
+  config = _config(source="jsonl", paths=(str(corpus),), max_docs=0)
+  # A complete database built from it (the fixture's, its settings and corpus made so).
+  complete = str(tmp_path / "complete")
+  shutil.copytree(db.directory, complete)
+  manifest = json.load(open(os.path.join(complete, MANIFEST)))
+  manifest.update(settings=db_settings(config), corpus=corpus_files(config))
+  for name, record in ((MANIFEST, manifest), (SETTINGS_FILE, db_settings(config))):
+    with open(os.path.join(complete, name), "w") as f:
+      json.dump(record, f)
+  assert build_database(config, complete).directory == complete
+  # A database whose text was read, then refused (too many neighbours): it resumes from there.
+  partial = str(tmp_path / "partial")
+  big_k = _config(source="jsonl", paths=(str(corpus),), max_docs=0, num_neighbours=100_000)
+  with pytest.raises(ValueError, match="num_neighbours=100000"):
+    build_database(big_k, partial)
+  stat = os.stat(corpus)
+  os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched, the same text
+  with pytest.raises(ValueError, match="num_neighbours=100000"):
+    build_database(big_k, partial)
+  assert build_database(config, complete).directory == complete
+  size = stat.st_size
+  _wiki_jsonl(corpus, [{**d, "text": d["text"].upper()} for d in docs[:20]])
+  for directory, settings in ((complete, config), (partial, big_k)):
+    with pytest.raises(ValueError, match=re.escape(
+        f"--config.db.paths: the corpus changed since the chunk database in {directory} was "
+        f"built from it ({corpus}: other text ({size:,} bytes then, {os.path.getsize(corpus):,} "
+        f"now)), and the database holds the old text. To train on the new text, delete "
+        f"{directory} (and the runs trained on it) or give another --config.db.dir and "
+        "--workdir; to go on with the database as it is, restore the corpus.")):
+      build_database(settings, directory)
+  os.remove(corpus)
+  with pytest.raises(ValueError, match=rf"\({corpus}: removed\)"):
+    build_database(config, complete)
+
+
+def test_a_database_being_built_is_refused_to_another_build(db, tmp_path):
+  """Two runs given one --config.db.dir would write its files over each other: while one builds
+  it (holding its lock), another build is refused naming the holder; a complete database is
+  opened by any number of runs at once."""
+  from realm_jax import workdir_lock
+  building = str(tmp_path / "db")
+  with workdir_lock.hold(building, workdir_lock.DATABASE):
+    with pytest.raises(workdir_lock.WorkdirInUseError, match=re.escape(
+        f"{building} is in use by another build of its chunk database (process {os.getpid()} ")
+        + r".*two builds would write the database's files over each other\. Wait for it to end "
+        r"or stop it, or pass another --config\.db\.dir\."):
+      build_database(_config(num_neighbours=100_000), building)
+    assert sorted(os.listdir(building)) == ["build.lock"]  # nothing was written
+  with workdir_lock.hold(db.directory, workdir_lock.DATABASE):
+    assert build_database(_config(), db.directory).directory == db.directory

@@ -141,7 +141,8 @@ def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int 
   systems, buckets_of = {}, {}   # (batch, k) -> overlap bucket of each target [B, L]
   for name, path in exports.items():
     config, params, meta = retro_export.load(path, flag=f"the {name} export")
-    db.check_compatible(meta["tokenizer"], meta["key_fingerprint"])
+    db.check_compatible(meta["tokenizer"], meta["key_fingerprint"],
+                        config.chunk_length if config.retrieval else None)
     params = jax.device_put(params)
     variants = [(name, True, None)]
     if config.retrieval:

@@ -6,8 +6,15 @@ the neighbours of every chunk and the training and evaluation examples that carr
     db.read_sequence("train", 0)  # inputs, targets, input_docs, target_docs [L], neighbours, ...
 
 The build runs in stages, each recorded in `stage-<name>.json` once its files are written (each
-atomically) and skipped when that record exists; `retro_db.json`, the manifest, is written last:
-a directory without it is incomplete. Files in `db_dir`:
+atomically), with their CRC-32; a build that resumes skips a stage whose record exists and whose
+files still have those CRCs (a damaged one is built again, with the stages after it). One build at
+a time: it holds the lock `build.lock` of `db_dir` (realm_jax/workdir_lock.py). `retro_db.json`,
+the manifest, is written last: a directory without it is incomplete.
+
+A JSONL corpus is recorded with the database (each file's size, modification time and SHA-256):
+a database whose corpus files changed since it was built is refused, naming them, rather than
+used as if it held their new text (models would then be trained and evaluated on the old one).
+Files in `db_dir`:
 
   settings.json                the settings asked for (another build with other ones is refused)
   {split}.stream.npy           [T] int32 the split's token stream (realm_jax/data/chunks.py)
@@ -20,8 +27,8 @@ a directory without it is incomplete. Files in `db_dir`:
   {split}.array_record         one record per sequence: `layout` in the manifest
   retro_db.json                settings, fingerprint, counts (near_duplicates: train documents
                                dropped), key tower (key_name, key_fingerprint, key_dim),
-                               tokenizer, layout, the seconds of each stage and the CRC-32 of
-                               every file (checked on open)
+                               tokenizer, layout, corpus (the JSONL files read), the seconds of
+                               each stage and the CRC-32 of every file (checked on open)
 
 Every chunk belongs to one document, and a neighbour's continuation never runs into another
 (realm_jax/data/chunks.py). A train chunk never retrieves a chunk of a document its own sequence
@@ -33,6 +40,7 @@ Wikitext-103 condition, held-out chunks searching the held-out chunks too, is
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
@@ -45,11 +53,11 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
-from realm_jax import config_checks, io_utils
+from realm_jax import config_checks, io_utils, workdir_lock
 from realm_jax.checkpoints.weights import resolve
 from realm_jax.data.chunks import (JACCARD, SPLITS, chunk_documents, chunk_values, decode_record,
                                    excluded_chunk_ranges, record_layout, write_sequences)
-from realm_jax.data.sources import SOURCES, documents
+from realm_jax.data.sources import SOURCES, documents, jsonl_files
 from realm_jax.retrieval.embed import embed_corpus, embed_in_buckets
 from realm_jax.retrieval.index import DocIndex
 from realm_jax.retrieval.index_store import arrays_crc32
@@ -112,11 +120,20 @@ class _ChunkKeyTexts:
 
 
 def _stage(db_dir: str, name: str, run) -> dict:
-  """Runs a build stage unless its record exists; returns the record (with its seconds)."""
+  """Runs a build stage unless its record exists and its files have the CRC-32 it records;
+  returns the record (with its seconds). A damaged stage is run again, and the records of the
+  stages after it (made from its files) are deleted, so that they are run again too."""
   path = os.path.join(db_dir, f"stage-{name}.json")
   if os.path.exists(path):
-    logging.info("RETRO database, %s: done before, reusing it.", name)
-    return io_utils.read_json(path)
+    damaged = _damaged_files(db_dir, io_utils.read_json(path).get("files", {}))
+    if not damaged:
+      logging.info("RETRO database, %s: done before, reusing it.", name)
+      return io_utils.read_json(path)
+    logging.warning("RETRO database, %s: %s; building it again, and the stages after it.", name,
+                    "; ".join(damaged))
+    for later in list(STAGE_KEYS)[list(STAGE_KEYS).index(name):]:
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(db_dir, f"stage-{later}.json"))
   start = time.perf_counter()
   record = run()
   record["seconds"], record["version"] = round(time.perf_counter() - start, 2), VERSION
@@ -133,28 +150,112 @@ def _crcs(db_dir: str, names) -> dict:
   return {n: file_crc32(os.path.join(db_dir, n)) for n in names}
 
 
+def _damaged_files(db_dir: str, crcs: dict[str, str]) -> list[str]:
+  """What is wrong with each file of `crcs` ({name: CRC-32 recorded}) that is missing or has
+  changed since it was written ([] when none)."""
+  damaged = []
+  for name, want in crcs.items():
+    path = os.path.join(db_dir, name)
+    if not os.path.exists(path):
+      damaged.append(f"{path} is missing")
+    elif (got := file_crc32(path)) != want:
+      damaged.append(f"{path} is corrupt: its CRC-32 is {got}, the build recorded {want}")
+  return damaged
+
+
+def corpus_files(db) -> dict[str, dict]:
+  """{path: {"bytes", "mtime_ns", "sha256"}} of the JSONL files that `db` (config.db) reads; {}
+  for the other sources (fixed by their name and version)."""
+  if db.source != "jsonl":
+    return {}
+  return {path: {**_file_stat(path), "sha256": _file_sha256(path)}
+          for path in jsonl_files(db.paths)}
+
+
+def _file_stat(path: str) -> dict:
+  if io_utils.is_remote(path):
+    stat = io_utils.as_path(path).stat()
+    return {"bytes": stat.length, "mtime_ns": int(stat.mtime * 1e9)}
+  stat = os.stat(path)
+  return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _file_sha256(path: str) -> str:
+  sha = hashlib.sha256()
+  with io_utils.as_path(path).open("rb") as f:
+    while block := f.read(1 << 24):
+      sha.update(block)
+  return sha.hexdigest()
+
+
+def check_corpus(db, recorded: dict[str, dict], db_dir: str, flag: str = "--config.db") -> None:
+  """Refuses (ValueError naming the files and what to do) a JSONL corpus whose files differ from
+  those `recorded` when the database in `db_dir` was built. Cheap when nothing changed: a file of
+  the size and modification time recorded is taken as unchanged, another is hashed."""
+  if db.source != "jsonl" or not recorded:  # (databases built before corpora were recorded)
+    return
+  try:
+    now = jsonl_files(db.paths)
+  except FileNotFoundError:
+    now = []
+  changes = [f"{p}: removed" for p in recorded if p not in now]
+  changes += [f"{p}: new" for p in now if p not in recorded]
+  for path in (p for p in now if p in recorded):
+    old, stat = recorded[path], _file_stat(path)
+    if {k: old[k] for k in stat} != stat and _file_sha256(path) != old["sha256"]:
+      changes.append(f"{path}: other text" + (
+          f" ({old['bytes']:,} bytes then, {stat['bytes']:,} now)"
+          if old["bytes"] != stat["bytes"] else " of the same size"))
+  if changes:
+    raise ValueError(
+        f"{flag}.paths: the corpus changed since the chunk database in {db_dir} was built from it "
+        f"({'; '.join(changes[:3])}{'; ...' if len(changes) > 3 else ''}), and the database "
+        f"holds the old text. To train on the new text, delete {db_dir} (and the runs trained on "
+        f"it) or give another {flag}.dir and --workdir; to go on with the database as it is, "
+        "restore the corpus.")
+
+
 def build_database(db_config, db_dir: str, *, flag: str = "--config.db") -> "RetroDb":
   """Builds the chunk database of `db_config` (configs/retro.py: database_config) in `db_dir`, or
   finishes an interrupted build, or opens a complete one; returns it opened.
 
   Raises:
     ValueError naming the `flag.<key>` settings that differ when `db_dir` was built with others,
-    and `flag.num_neighbours` when it exceeds the chunks a training chunk may retrieve.
+    the corpus files changed since (check_corpus), and `flag.num_neighbours` when it exceeds the
+    chunks a training chunk may retrieve.
+    WorkdirInUseError when another process is building a database in `db_dir`.
   """
   check_settings(db_config, flag)
   if io_utils.is_remote(db_dir):
     raise ValueError(f"{flag}.dir={db_dir}: the chunk database is memory-mapped and needs a local "
                      "directory; build it on a local disk.")
-  db, settings = db_config, db_settings(db_config)
-  _claim(db_dir, settings, flag)
-  if os.path.exists(os.path.join(db_dir, MANIFEST)):
+  manifest = os.path.join(db_dir, MANIFEST)
+  if os.path.exists(manifest):
+    _claim(db_dir, db_settings(db_config), flag)
+    check_corpus(db_config, io_utils.read_json(manifest).get("corpus", {}), db_dir, flag)
     return RetroDb.open(db_dir)
-  weights = resolve(db.key_weights, flag=f"{flag}.key_weights")
-  tokenizer = load_lm_tokenizer(db.tokenizer_file, weights.vocab() if not db.tokenizer_file else "",
+  # What the settings name is found before anything is written.
+  weights = resolve(db_config.key_weights, flag=f"{flag}.key_weights")
+  tokenizer = load_lm_tokenizer(db_config.tokenizer_file,
+                                weights.vocab() if not db_config.tokenizer_file else "",
                                 f"{flag}.tokenizer_file")
+  with workdir_lock.hold(db_dir, workdir_lock.DATABASE):
+    if os.path.exists(manifest):  # built by another process meanwhile
+      return build_database(db_config, db_dir, flag=flag)
+    return _build(db_config, db_dir, weights, tokenizer, flag)
+
+
+def _build(db, db_dir: str, weights, tokenizer: LmTokenizer, flag: str) -> "RetroDb":
+  """The stages of build_database, each skipped when done before (the caller holds the lock)."""
+  settings = db_settings(db)
+  _claim(db_dir, settings, flag)
+  chunk_record = os.path.join(db_dir, "stage-chunks.json")
+  if os.path.exists(chunk_record):
+    check_corpus(db, io_utils.read_json(chunk_record).get("corpus", {}), db_dir, flag)
   m, n, k = db.chunk_length, db.seq_chunks, db.num_neighbours
 
   def chunk_stage():
+    corpus = corpus_files(db)
     splits, stats = chunk_documents(
         lambda: documents(db.source, db.paths, db.tfds_name, db.max_docs or None), tokenizer, m, n,
         db.heldout_percent, total=db.max_docs or None)
@@ -175,7 +276,7 @@ def build_database(db_config, db_dir: str, *, flag: str = "--config.db") -> "Ret
                       ">= %.1f), e.g. %s.", stats["near_duplicates"], JACCARD,
                       stats["near_duplicate_examples"])
     names = [f"{s}.{x}" for s in SPLITS for x in ("stream.npy", "docs.npy", "documents.json")]
-    return {"content_sha256": stats["content_sha256"], "counts": counts,
+    return {"content_sha256": stats["content_sha256"], "corpus": corpus, "counts": counts,
             "skipped_documents": stats["skipped"], "near_duplicates": stats["near_duplicates"],
             "near_duplicate_examples": stats["near_duplicate_examples"],
             "files": _crcs(db_dir, names),
@@ -268,6 +369,7 @@ def build_database(db_config, db_dir: str, *, flag: str = "--config.db") -> "Ret
                  "near_duplicates": chunks["near_duplicates"],
                  "indexed_chunks": index_record["count"]},
       "near_duplicate_examples": chunks["near_duplicate_examples"],
+      "corpus": chunks.get("corpus", {}),
       "layout": layout,
       "seconds": {name: r["seconds"] for name, r in stages.items()},
       "files": {f: c for r in stages.values() for f, c in r.get("files", {}).items()}}
@@ -361,6 +463,11 @@ class RetroDb:
     self.chunk_length, self.seq_chunks = s["chunk_length"], s["seq_chunks"]
     self.num_neighbours = s["num_neighbours"]
     self.key_fingerprint = manifest["key_fingerprint"]
+    # What a model trained on this database records (train/retro.py): another build, of other
+    # settings or text, or of the same ones but with other files (a build that read a damaged
+    # stage, or ran where floating point rounds otherwise), has another.
+    self.files_fingerprint = hashlib.sha256(json.dumps(
+        [self.fingerprint, manifest["files"]], sort_keys=True).encode()).hexdigest()[:16]
     self._sources, self._tower, self._documents = {}, None, {}
 
   @classmethod
@@ -368,13 +475,10 @@ class RetroDb:
     """Opens a complete database; `verify` checks the CRC-32 of every file (reads them all)."""
     manifest = read_manifest(db_dir)
     redo = f"delete {db_dir} and build the database again"
-    for name, want in manifest["files"].items() if verify else ():
-      path = os.path.join(db_dir, name)
-      if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing from the chunk database: {redo}.")
-      if file_crc32(path) != want:
-        raise ValueError(f"{path} is corrupt: its CRC-32 is {file_crc32(path)}, the build "
-                         f"recorded {want}: {redo}.")
+    damaged = _damaged_files(db_dir, manifest["files"]) if verify else []
+    if damaged:
+      raise ValueError(f"The chunk database in {db_dir} is damaged: {'; '.join(damaged)}. To "
+                       f"use it, {redo} (experiments/retro_train.py builds it).")
     s = manifest["settings"]
     vocab = "" if s["tokenizer_file"] else resolve(s["key_weights"],
                                                    flag="--config.db.key_weights").vocab()
@@ -507,10 +611,13 @@ class RetroDb:
                             progress=tqdm(disable=True))
 
   def check_compatible(self, tokenizer_name: str | None = None,
-                       key_fingerprint: str | None = None) -> None:
-    """Refuses a model made with another tokenizer or key tower than this database's."""
+                       key_fingerprint: str | None = None,
+                       chunk_length: int | None = None) -> None:
+    """Refuses a model made with another tokenizer or key tower than this database's, or one that
+    reads neighbours in chunks of another length (`chunk_length`: a retrieval model's)."""
     for flag, asked, own in (("--config.db.tokenizer_file", tokenizer_name, self.tokenizer.name),
-                             ("--config.db.key_weights", key_fingerprint, self.key_fingerprint)):
+                             ("--config.db.key_weights", key_fingerprint, self.key_fingerprint),
+                             ("--config.db.chunk_length", chunk_length, self.chunk_length)):
       if asked is not None and asked != own:
         raise ValueError(
             f"The model was made with {flag} giving {asked}, but the chunk database in "
