@@ -188,6 +188,66 @@ def test_killed_run_resumes_to_bit_identical_parameters(tmp_path, db, trained):
                                   f"{kill_after}, checkpoints {saved})")
 
 
+# ------------------------------------------------------------------------------ bad runs
+def test_settings_no_run_can_use_are_refused_before_the_database(tmp_path):
+  """No held-out documents, a decoder that is not there, CCA layers the decoder lacks: each is
+  refused naming its flag before the database is built or anything written (they were refused
+  once the database was built, the last without naming the flag)."""
+  from realm_jax.train.retro import train_and_evaluate
+  cases = [("db.heldout_percent", 0, ValueError,
+            r"--config\.db\.heldout_percent=0: the models are evaluated on held-out documents"),
+           ("init", "/nonexistent", FileNotFoundError,
+            r"--config\.init=/nonexistent is not a directory"),
+           ("model.cca_layers", (5,), ValueError, r"--config\.model\.cca_layers=\(5,\): \[5\] are "
+            r"not layers of the decoder, 1 to 2 \(--config\.model\.num_layers\)")]
+  workdir = tmp_path / "w"
+  for key, value, error, message in cases:
+    config = get_config("tiny")
+    part, name = key.rsplit(".", 1) if "." in key else ("", key)
+    (config[part] if part else config)[name] = value
+    with pytest.raises(error, match=message):
+      train_and_evaluate(config, str(workdir))
+    assert not workdir.exists(), key
+
+
+@pytest.mark.slow
+def test_a_refused_run_leaves_nothing_in_a_new_workdir(tmp_path, db, trained):
+  """A run refused once it holds its new work directory (here: a --config.db.dir built with
+  other settings) leaves neither run.lock nor the directory."""
+  from realm_jax.train.retro import train_and_evaluate
+  config = get_config("tiny")
+  config.db.dir, config.db.chunk_length = db.directory, 8
+  workdir = tmp_path / "new"
+  with pytest.raises(ValueError, match=r"--config\.db\.chunk_length=16 \(now 8\)"):
+    train_and_evaluate(config, str(workdir))
+  assert not workdir.exists()
+
+
+@pytest.mark.slow
+def test_a_run_trained_on_another_build_of_its_database_is_refused(tmp_path, trained):
+  """The database of a finished run built again with other files (the issue's: the first build
+  had read a damaged stage; deleted and built again, its neighbours differ): going on would keep
+  models and results of the old database beside the new one ("Nothing to do"), so the run is
+  refused, naming the run and the database and what to do."""
+  from realm_jax.retrieval.chunk_db import MANIFEST, file_crc32
+  from realm_jax.train.retro import train_and_evaluate
+  workdir = tmp_path / "w"
+  shutil.copytree(trained, workdir, ignore=shutil.ignore_patterns("baseline", "tb"))
+  db_dir = workdir / "db"
+  neighbours = np.load(db_dir / "train.neighbours.npy")
+  np.save(db_dir / "train.neighbours.npy", np.ascontiguousarray(neighbours[:, ::-1]))
+  manifest = read_json(db_dir / MANIFEST)
+  manifest["files"]["train.neighbours.npy"] = file_crc32(str(db_dir / "train.neighbours.npy"))
+  (db_dir / MANIFEST).write_text(json.dumps(manifest))
+  config = get_config("tiny")
+  config.models, config.num_steps = ("retro",), 6
+  with pytest.raises(ValueError, match=rf"{workdir}/retro was trained on another chunk database "
+                     rf"than the one in {db_dir} now \(its files' fingerprint was [0-9a-f]{{16}}, "
+                     r"now [0-9a-f]{16}: built again, or from other text\)\. To train it on this "
+                     rf"database, move {workdir}/retro away"):
+    train_and_evaluate(config, str(workdir))
+
+
 # ---------------------------------------------------------------------------------- evaluation
 def test_ratio_and_its_standard_error_by_hand():
   num, den = np.array([1.0, 2.0, 3.0]), np.array([2.0, 2.0, 4.0])
@@ -364,6 +424,12 @@ def test_sampling_refuses_a_long_prompt_and_another_tokenizer(db, trained, lm, t
   meta = json.loads((other / retro_export.CONFIG).read_text())
   (other / retro_export.CONFIG).write_text(json.dumps({**meta, "tokenizer": "gpt2-bpe-50257"}))
   with pytest.raises(ValueError, match=r"--config\.db\.tokenizer_file giving gpt2-bpe-50257"):
+    RetroLm(str(other), db)
+  # A RETRO model that reads chunks of another length than the database's: one error, not shapes.
+  (other / retro_export.CONFIG).write_text(json.dumps(
+      {**meta, "model": {**meta["model"], "chunk_length": 8}}))
+  with pytest.raises(ValueError, match=r"--config\.db\.chunk_length giving 8, but the chunk "
+                     rf"database in {db.directory} with 16"):
     RetroLm(str(other), db)
 
 

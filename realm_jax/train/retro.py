@@ -55,8 +55,9 @@ def check_settings(config, workdir: str) -> None:
       **loop.LOOP_MINIMUMS, "learning_rate": 0, "eval_sequences": 1, "eval_batch_size": 1,
       "model.num_layers": 1,
       "model.hidden_size": 8, "model.num_heads": 1, "model.mlp_size": 1,
-      "model.encoder_layers": 1, "model.num_neighbours": 1, "db.chunk_length": 2,
-      "db.seq_chunks": 1, "db.num_neighbours": 1, "db.key_length": 4, "db.max_docs": 0})
+      "model.encoder_layers": 1, "model.num_neighbours": 1, "model.cca_start": 1,
+      "model.cca_every": 1, "db.chunk_length": 2, "db.seq_chunks": 1, "db.num_neighbours": 1,
+      "db.key_length": 4, "db.max_docs": 0})
   config_checks.one_of(config, {"model.dtype": ("float32", "bfloat16"),
                                 "model.family": ("gpt2", "llama")})
   config_checks.below(config, "model.num_neighbours", "db.num_neighbours")
@@ -78,6 +79,26 @@ def check_settings(config, workdir: str) -> None:
     raise ValueError("--config.freeze_decoder=True needs trained decoder weights: set "
                      "--config.init to smollm2, a .gguf file or a Hugging Face GPT-2 / Llama / "
                      "Mistral / Qwen2 directory (RETROfitting).")
+  if config.db.heldout_percent <= 0:
+    raise ValueError(f"--config.db.heldout_percent={config.db.heldout_percent!r}: the models are "
+                     "evaluated on held-out documents, and none would be held out: give a "
+                     "percentage above 0 (the configs hold out 10).")
+  num_layers = config.model.num_layers
+  if config.init != "random":  # the decoder's metadata alone (a missing one is refused here)
+    num_layers = decoder.decoder_settings(config.init, flag="--config.init")["num_layers"]
+  _check_cca_layers(config, num_layers)
+
+
+def _check_cca_layers(config, num_layers: int) -> None:
+  """Refuses CCA layers outside the decoder's `num_layers` (1-based)."""
+  c, of = config.model, ("--config.init" if config.init != "random"
+                         else "--config.model.num_layers")
+  bad = [l for l in c.cca_layers
+         if isinstance(l, bool) or not isinstance(l, int) or not 1 <= l <= num_layers]
+  if bad:
+    raise ValueError(f"--config.model.cca_layers={tuple(c.cca_layers)!r}: {bad} are not layers of "
+                     f"the decoder, 1 to {num_layers} ({of}): name layers among them, or give () "
+                     "for every --config.model.cca_every-th from --config.model.cca_start.")
 
 
 def model_config(config, db: RetroDb, retrieval: bool) -> RetroConfig:
@@ -167,8 +188,11 @@ class RetroTrainer(loop.TrainLoop):
     super().__init__(config, workdir)
     self.name = "retro" if retrieval else "baseline"
     self.db, self.retrieval = db, retrieval
+    if db.num_sequences("heldout") == 0:
+      raise ValueError(f"The chunk database in {db.directory} has no held-out sequences: raise "
+                       "--config.db.heldout_percent.")
+    self.model_config = model_config(config, db, retrieval)  # refusals before the first write
     loop.check_workdir_config(config, workdir, FIXED_SETTINGS)
-    self.model_config = model_config(config, db, retrieval)
     self.module = RetroModel(self.model_config)
     est = memory.retro_estimate(config, jax.device_count(), db.tokenizer.vocab_size,
                                 model=self.model_config)
@@ -183,9 +207,6 @@ class RetroTrainer(loop.TrainLoop):
     self.heldout = [b for b in retro_batches(
         db, "heldout", batch_size=self.host_batch, seed=0, shuffle=False, num_epochs=1,
         num_neighbours=k, limit=config.eval_sequences)]
-    if not self.heldout:
-      raise ValueError(f"The chunk database in {db.directory} has no held-out sequences: raise "
-                       "--config.db.heldout_percent.")
     module = self.module
     self.eval_fn = self.jit_eval(lambda p, b: sequence_loss(module, p, b, retrieval)[1])
     if retrieval:
@@ -217,6 +238,21 @@ class RetroTrainer(loop.TrainLoop):
   def next_batch(self):
     return self.put(next(self.data_iterator))
 
+  def checkpoint_meta(self, step):
+    return {"step": step, "db_files_fingerprint": self.db.files_fingerprint}
+
+  def resumed(self, meta):
+    """Refuses to go on with a run trained on another database than `db` (rebuilt, or built from
+    other text): its weights and its results would mix the two."""
+    trained_on = (meta or {}).get("db_files_fingerprint")  # (None: saved before it was recorded)
+    if trained_on is not None and trained_on != self.db.files_fingerprint:
+      raise ValueError(
+          f"{self.workdir} was trained on another chunk database than the one in "
+          f"{self.db.directory} now (its files' fingerprint was {trained_on}, now "
+          f"{self.db.files_fingerprint}: built again, or from other text). To train it on this "
+          f"database, move {self.workdir} away (or delete it) and run again; to keep it, restore "
+          "the database it was trained on, or give another --workdir.")
+
   def train_metrics(self, step):
     return {"learning_rate": float(self.schedule(step))}
 
@@ -242,7 +278,8 @@ class RetroTrainer(loop.TrainLoop):
       retro_export.save(export, self.model_config, jax.device_get(self.state.params), {
           "step": int(self.state.step), "tokenizer": self.db.tokenizer.name,
           "key_fingerprint": self.db.manifest["key_fingerprint"],
-          "db_fingerprint": self.db.manifest["fingerprint"], "retrieval": self.retrieval})
+          "db_fingerprint": self.db.manifest["fingerprint"],
+          "db_files_fingerprint": self.db.files_fingerprint, "retrieval": self.retrieval})
       logging.info("Exported the %s decoder to %s", self.name, export)
     return last_eval
 
