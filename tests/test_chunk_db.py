@@ -647,8 +647,14 @@ def test_a_jsonl_corpus_changed_since_the_build_is_refused_naming_the_change(db,
         "--workdir; to go on with the database as it is, restore the corpus.")):
       build_database(settings, directory)
   os.remove(corpus)
-  with pytest.raises(ValueError, match=rf"\({corpus}: removed\)"):
+  with pytest.raises(FileNotFoundError, match=rf"--config.db.paths: Corpus file {corpus} does "
+                     "not exist"):
     build_database(config, complete)
+  # A corpus refused before anything was built leaves no directory behind.
+  corpus.write_text('{"title": "A", "text": "a"}\nnot json\n')
+  with pytest.raises(ValueError, match=rf"{corpus}:2"):
+    build_database(config, str(tmp_path / "new"))
+  assert not (tmp_path / "new").exists()
 
 
 def test_a_database_being_built_is_refused_to_another_build(db, tmp_path):

@@ -90,6 +90,14 @@ def check_settings(db, flag: str = "--config.db") -> None:
   if db.paths and db.source != "jsonl":
     raise ValueError(f"{flag}.paths are read only with {flag}.source=jsonl, not "
                      f"{db.source!r}: set the source to jsonl, or drop the paths.")
+  if db.source == "jsonl":
+    if not db.paths:
+      raise ValueError(f"{flag}.source=jsonl reads {flag}.paths, which is empty: give JSONL files "
+                       "or folders of them.")
+    try:
+      jsonl_files(db.paths)
+    except FileNotFoundError as e:
+      raise FileNotFoundError(f"{flag}.paths: {e}") from None
 
 
 def db_settings(db) -> dict:
@@ -242,7 +250,15 @@ def build_database(db_config, db_dir: str, *, flag: str = "--config.db") -> "Ret
   with workdir_lock.hold(db_dir, workdir_lock.DATABASE):
     if os.path.exists(manifest):  # built by another process meanwhile
       return build_database(db_config, db_dir, flag=flag)
-    return _build(db_config, db_dir, weights, tokenizer, flag)
+    try:
+      return _build(db_config, db_dir, weights, tokenizer, flag)
+    except BaseException:
+      # Refused before any stage was done (a bad corpus line): settings.json is all there is to
+      # leave, and a new directory goes with the lock (workdir_lock.hold).
+      if not glob.glob(os.path.join(db_dir, "stage-*.json")):
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(os.path.join(db_dir, SETTINGS))
+      raise
 
 
 def _build(db, db_dir: str, weights, tokenizer: LmTokenizer, flag: str) -> "RetroDb":
