@@ -133,10 +133,11 @@ def _stage(db_dir: str, name: str, run) -> dict:
   stages after it (made from its files) are deleted, so that they are run again too."""
   path = os.path.join(db_dir, f"stage-{name}.json")
   if os.path.exists(path):
-    damaged = _damaged_files(db_dir, io_utils.read_json(path).get("files", {}))
+    record = io_utils.read_json(path)
+    damaged = _damaged_files(db_dir, record.get("files", {}))
     if not damaged:
       logging.info("RETRO database, %s: done before, reusing it.", name)
-      return io_utils.read_json(path)
+      return record
     logging.warning("RETRO database, %s: %s; building it again, and the stages after it.", name,
                     "; ".join(damaged))
     for later in list(STAGE_KEYS)[list(STAGE_KEYS).index(name):]:
