@@ -477,6 +477,15 @@ def test_refused_settings_and_models(db, tmp_path):
     f.write(b"\x7f")
   with pytest.raises(ValueError, match="train.neighbours.npy is corrupt"):
     RetroDb.open(copy)
+  # A damaged index says to build this database again (not REALM's build_index.py).
+  arrays = os.path.join(copy, "index", "index.safetensors")
+  data = open(arrays, "rb").read()
+  with open(arrays, "wb") as f:
+    f.write(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
+  with pytest.raises(ValueError, match=rf"Delete {re.escape(copy)} and build the database again"
+                     ) as e:
+    RetroDb.open(copy, verify=False).load_index()
+  assert "build_index" not in str(e.value)
   # A build begun by another version of the code is refused, not mixed with this one's.
   os.remove(os.path.join(copy, MANIFEST))
   record = json.load(open(os.path.join(copy, "stage-chunks.json")))

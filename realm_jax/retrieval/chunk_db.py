@@ -127,6 +127,12 @@ class _ChunkKeyTexts:
                       self.same_vocab)
 
 
+def _rebuild_advice(db_dir: str) -> str:
+  """What a damaged index of the database tells the user to do (not build_index.py's advice)."""
+  return (f"Delete {db_dir} and build the database again (experiments/retro_train.py with the "
+          "same --config.db).")
+
+
 def _stage(db_dir: str, name: str, run) -> dict:
   """Runs a build stage unless its record exists and its files have the CRC-32 it records;
   returns the record (with its seconds). A damaged stage is run again, and the records of the
@@ -343,7 +349,8 @@ def _build(db, db_dir: str, weights, tokenizer: LmTokenizer, flag: str) -> "Retr
 
   def neighbour_stage():
     index = DocIndex.load(index_dir, expected_corpus_fingerprint=fingerprint,
-                          expected_model_fingerprint=keys["key_fingerprint"], searcher=db.searcher)
+                          expected_model_fingerprint=keys["key_fingerprint"], searcher=db.searcher,
+                          remedy=_rebuild_advice(db_dir))
     for split in SPLITS:
       queries = np.asarray(_load(db_dir, split, "keys"))
       ranges = (excluded_chunk_ranges(_load(db_dir, split, "docs"), m, n) if split == "train"
@@ -599,7 +606,8 @@ class RetroDb:
     return DocIndex.load(os.path.join(self.directory, "index"),
                          expected_corpus_fingerprint=self.fingerprint,
                          expected_model_fingerprint=self.key_fingerprint,
-                         searcher=searcher or self.settings["searcher"], **options)
+                         searcher=searcher or self.settings["searcher"],
+                         remedy=_rebuild_advice(self.directory), **options)
 
   def key_tower(self):
     """The frozen tower that embedded the keys (loaded once), checked to be the same weights."""
