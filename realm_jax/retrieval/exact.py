@@ -29,6 +29,8 @@ from realm_jax import config_checks
 from realm_jax.retrieval.rows import HostRows, as_rows
 
 MAX_SCORE_BYTES = 256 << 20  # float32 scores a device holds at once, by default: blocks above it
+QUERY_BATCH_SIZE = 256  # queries per device call, by default
+RECALL_TARGET = 0.95  # approx_max_k's, by default
 
 def finite_scores(scores):
   """NaN and infinite scores as the lowest finite float32, below every real score but above the
@@ -143,6 +145,28 @@ def _sharded_top_k(emb, queries, exclude_rows, k, *, count, mesh, recall_target,
   return top_scores, jnp.take_along_axis(rows, pos, axis=1)
 
 
+def sharded_search(count: int, mesh: Mesh, block_rows: int, *, recall_target: float | None = None,
+                   precision: str = "highest"):
+  """The jitted `search(emb, queries, exclude_rows, k) -> (scores, rows)` over `count` rows
+  sharded along "data" (`_sharded_top_k`; `k` static): ExactSearcher's, and what
+  realm_jax/compile/steps.py lowers from shapes alone."""
+  sharding, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  return jax.jit(
+      functools.partial(_sharded_top_k, count=count, mesh=mesh, recall_target=recall_target,
+                        precision=jax.lax.Precision(precision), block_rows=block_rows),
+      static_argnums=3, in_shardings=(sharding, replicated, replicated),
+      out_shardings=replicated)
+
+
+def query_batch(num_queries: int, query_batch_size: int) -> int:
+  """Queries per device call of a search of `num_queries`: fewer than a batch are padded to a
+  power of two up to 32, then to a multiple of 32 (a few compiled shapes, not one for each query
+  count, and at most 31 padded queries above 32)."""
+  bucket = (1 << (num_queries - 1).bit_length() if num_queries <= 32
+            else -(-num_queries // 32) * 32)
+  return min(bucket, query_batch_size)
+
+
 def shard_layout(count: int, shards: int, max_block_rows: int) -> tuple[int, int]:
   """(rows per shard, rows per block) for `count` rows over `shards` devices: equal shards of
   equal blocks of at most `max_block_rows` rows (multiples of 8 when blocked), padded as little
@@ -222,7 +246,7 @@ class ExactSearcher:
   recall_target = None  # exact top_k per shard; ApproxSearcher sets approx_max_k's target
 
   def __init__(self, embeddings: np.ndarray | HostRows, dtype: np.dtype, mesh: Mesh | None = None,
-               *, precision: str = "highest", query_batch_size: int = 256,
+               *, precision: str = "highest", query_batch_size: int = QUERY_BATCH_SIZE,
                max_score_bytes: int = MAX_SCORE_BYTES):
     config_checks.whole_number("query_batch_size", query_batch_size, 1)
     config_checks.whole_number("max_score_bytes", max_score_bytes, 1)
@@ -239,13 +263,8 @@ class ExactSearcher:
     sharding = NamedSharding(mesh, P("data"))
     self.dtype = np.dtype(dtype)
     self.emb = device_rows(rows, self.dtype, sharding, shards * shard_rows)  # [N_pad, D]
-    replicated = NamedSharding(mesh, P())
-    self._search_fn = jax.jit(
-        functools.partial(_sharded_top_k, count=self.count, mesh=mesh,
-                          recall_target=self.recall_target,
-                          precision=jax.lax.Precision(precision), block_rows=self.block_rows),
-        static_argnums=3, in_shardings=(sharding, replicated, replicated),
-        out_shardings=replicated)
+    self._search_fn = sharded_search(self.count, mesh, self.block_rows,
+                                     recall_target=self.recall_target, precision=precision)
 
   def embeddings(self) -> np.ndarray:
     """The stored [N, D] rows on the host, in the storage dtype."""
@@ -276,11 +295,7 @@ class ExactSearcher:
     """Scores [Q, k] float32 (descending) and rows [Q, k] int32 of `queries` [Q, D] float32, never
     one of `exclude_rows` [Q, E] int32 (-1: nothing); `query_batch_size` queries per call."""
     num_queries = len(queries)
-    # Fewer queries than a batch are padded to a power of two up to 32, then to a multiple of 32:
-    # a few compiled shapes, not one for each query count, and at most 31 padded queries above 32.
-    bucket = (1 << (num_queries - 1).bit_length() if num_queries <= 32
-              else -(-num_queries // 32) * 32)
-    batch = min(bucket, self.query_batch_size)
+    batch = query_batch(num_queries, self.query_batch_size)
     parts = []
     for lo in range(0, num_queries, batch):
       q, ex = queries[lo:lo + batch], exclude_rows[lo:lo + batch]
@@ -302,7 +317,7 @@ class ApproxSearcher(ExactSearcher):
   """
 
   def __init__(self, embeddings: np.ndarray | HostRows, dtype: np.dtype,
-               mesh: Mesh | None = None, *, recall_target: float = 0.95, **options):
+               mesh: Mesh | None = None, *, recall_target: float = RECALL_TARGET, **options):
     if not 0 < recall_target <= 1:
       raise ValueError(f"recall_target={recall_target!r}: give a recall in (0, 1].")
     self.recall_target = recall_target
