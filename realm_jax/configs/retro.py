@@ -23,6 +23,9 @@ import ml_collections
 # The paper's decoders: (layers, d_model, heads, d_ffw); the encoder is 2 layers of d 896.
 PAPER_SHAPES = {"172m": (12, 896, 16, 3584), "425m": (12, 1536, 12, 6144),
                 "1.5b": (24, 2048, 16, 8192), "7.5b": (36, 4096, 32, 16384)}
+# The neighbour encoder's width. It has the decoder's heads (realm_jax/models/retro.py), and 896
+# does not split into 425M's 12: 960 there (12 heads of 80) until the encoder has its own heads.
+PAPER_ENCODER = {"172m": 896, "425m": 960, "1.5b": 896, "7.5b": 896}
 
 
 def database_config() -> ml_collections.ConfigDict:
@@ -155,7 +158,8 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     layers, width, heads, ffw = PAPER_SHAPES[shape]
     c.db.update(source="tfds_wikipedia", seq_chunks=32, searcher="scann")
     c.model.update(num_layers=layers, hidden_size=width, num_heads=heads, mlp_size=ffw,
-                   max_length=2048, encoder_size=896, dtype="bfloat16", remat=True)
+                   max_length=2048, encoder_size=PAPER_ENCODER[shape], dtype="bfloat16",
+                   remat=True)
     c.batch_size = 256
     c.num_steps = 100_000
     c.learning_rate = 2e-4
