@@ -1,0 +1,319 @@
+"""Compile a trainer's programs for a TPU slice on this machine and read the TPU compiler's own
+estimates: memory per device against the chip's HBM, collectives, FLOPs, the compiler's step time
+(`optimal_seconds`) and the MFU it implies. Nothing runs on a TPU: every figure is the compiler's
+estimate, never a measurement.
+
+    report = compile_for(config, "retro", "v5e-256")     # experiments/compile_for.py
+    print(format_report(report))
+
+Sharding is the project's today (`data_parallel`): parameters and optimizer state replicated, the
+batch split along every mesh axis, an index's rows split too. `compile_for(..., shardings=)` takes
+another function of the same signature (a logical-axis rule table's), nothing else changes.
+
+Model FLOPs are XLA's count of the step lowered without layer recomputation, before it is split
+over devices, divided by the devices: everything the step computes once (matmuls, attention,
+softmax, the optimizer), recomputation not counted. MFU = model FLOPs per device /
+(optimal_seconds x the chip's peak dense bf16 FLOP/s), also for float32 configs.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import os
+import re
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from realm_jax.compile import hlo, steps, topology as topologies
+from realm_jax.train import memory
+
+NOTE = ("All figures are the TPU compiler's estimates (XLA's memory and cost analyses of the "
+        "program compiled for the slice on a CPU machine), not measurements on a TPU.")
+CPU_NOTE = ("XLA:CPU's memory and cost analyses of the program compiled for this process's CPU "
+            "devices (no chip: no HBM verdict, no step time, no MFU).")
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def mesh_axes(spec: str, devices: int) -> dict[str, int]:
+  """{axis: size} of a `--mesh` such as "data=-1" or "data=64,fsdp=4" (-1: what the other axes
+  leave); ValueError unless the sizes multiply to the slice's `devices`."""
+  axes = {}
+  for part in filter(None, (p.strip() for p in spec.split(","))):
+    name, _, size = part.partition("=")
+    if name not in MESH_AXES or not re.fullmatch(r"-1|[1-9]\d*", size.strip()):
+      raise ValueError(f"--mesh={spec}: give axis=size pairs with axes from {MESH_AXES} and "
+                       "sizes >= 1 (one may be -1: the rest), e.g. --mesh=data=-1.")
+    if name in axes:
+      raise ValueError(f"--mesh={spec}: axis {name!r} is named twice.")
+    axes[name] = int(size)
+  if not axes:
+    raise ValueError(f"--mesh={spec!r}: name at least one axis, e.g. --mesh=data=-1.")
+  free = [a for a, s in axes.items() if s == -1]
+  fixed = math.prod(s for s in axes.values() if s != -1)
+  if len(free) > 1:
+    raise ValueError(f"--mesh={spec}: only one axis may be -1.")
+  if free and devices % fixed:
+    raise ValueError(f"--mesh={spec}: the sized axes take {fixed} devices, which does not divide "
+                     f"the topology's {devices}; pick sizes whose product divides {devices}.")
+  if not free and fixed != devices:
+    raise ValueError(f"--mesh={spec}: the axes multiply to {fixed} devices, but the topology has "
+                     f"{devices}; make them multiply to {devices}, or give one axis -1 (the rest).")
+  if free:
+    axes[free[0]] = devices // fixed
+  return axes
+
+
+def make_mesh(devices: list, axes: dict[str, int]) -> Mesh:
+  """A mesh of `devices` with these axes (on a TPU slice, laid out along its torus)."""
+  from jax.experimental import mesh_utils
+  grid = mesh_utils.create_device_mesh(tuple(axes.values()), devices=devices)
+  return Mesh(grid, tuple(axes))
+
+
+def data_parallel(mesh: Mesh, program: steps.Program) -> tuple[tuple, tuple]:
+  """(in_shardings, out_shardings) of a program, one per argument and output, by role: the state
+  and the random key replicated, a batch split along its first axis over
+  every mesh axis (what the trainers do today: realm_jax/train/loop.py), an index's rows over
+  "data"."""
+  replicated = NamedSharding(mesh, P())
+  split = NamedSharding(mesh, P(mesh.axis_names))
+  rows = NamedSharding(mesh, P("data"))  # ExactSearcher shards an index over "data" only
+  by_role = {"state": replicated, "replicated": replicated, "batch": split, "rows": rows}
+  outs = tuple(by_role[r] for r in program.out_roles)
+  return tuple(by_role[r] for r in program.roles), outs if len(outs) > 1 else outs[0]
+
+
+def with_shardings(args: tuple, shardings: tuple) -> tuple:
+  """ShapeDtypeStructs of `args` carrying their argument's sharding (a sharding or a pytree of
+  them per argument)."""
+  def one(arg, sharding):
+    if isinstance(sharding, jax.sharding.Sharding):
+      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), arg)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        arg, sharding)
+  return tuple(one(a, s) for a, s in zip(args, shardings))
+
+
+def lower(program: steps.Program, mesh: Mesh, shardings: Callable = data_parallel):
+  """The program lowered for `mesh` from abstract arguments (jax.stages.Lowered)."""
+  ins, outs = shardings(mesh, program)
+  return jax.jit(program.fn, in_shardings=ins, out_shardings=outs,
+                 donate_argnums=program.donate).lower(*with_shardings(program.args, ins))
+
+
+def one_device_mesh(axes: tuple[str, ...]) -> Mesh:
+  """A mesh of this process's first CPU device with these axis names (each of size 1)."""
+  return Mesh(np.array(jax.devices("cpu")[:1]).reshape((1,) * len(axes)), axes)
+
+
+def program_flops(program: steps.Program, mesh: Mesh) -> float:
+  """XLA's FLOPs of one call of `program` lowered (not compiled: nothing allocated) for `mesh`;
+  on a one-device mesh, the FLOPs of the whole call."""
+  return _cost(lower(program, mesh).cost_analysis()).get("flops", float("nan"))
+
+
+def model_flops(trainer: str, config, axes: tuple[str, ...], index_rows: int = 0) -> dict:
+  """{program: FLOPs of one call, all devices together}: each of the trainer's programs built
+  without layer recomputation and counted on a one-device CPU mesh (`program_flops`)."""
+  one = one_device_mesh(axes)
+  plain = steps.PROGRAMS[trainer](steps.without_remat(config, trainer), one, index_rows)
+  return {name: program_flops(p, one) for name, p in plain.items()}
+
+
+def _cost(analysis) -> dict:
+  """cost_analysis() as one dict (older jax returned a list of one)."""
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else {}
+  return dict(analysis or {})
+
+
+_EXCEEDED = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
+
+
+def _out_of_memory(error: Exception) -> dict | None:
+  """The compiler's 'does not fit' (RESOURCE_EXHAUSTED) as memory figures, else None."""
+  text = str(error)
+  if "RESOURCE_EXHAUSTED" not in text:
+    return None
+  scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+  found = _EXCEEDED.search(text)
+  used = float(found.group(1)) * scale[found.group(2)] if found else None
+  first = next((line for line in text.splitlines() if "RESOURCE_EXHAUSTED" in line), text)
+  return {"total": used, "fits": False, "compiler_error": " ".join(first.split())[:400]}
+
+
+def compile_program(program: steps.Program, mesh: Mesh, chip: topologies.Chip | None,
+                    model_flops_total: float = float("nan"),
+                    shardings: Callable = data_parallel) -> dict:
+  """One program compiled for `mesh`: the compiler's memory per device (against the chip's HBM),
+  FLOPs, bytes accessed, optimal_seconds and collectives, with the MFU that the program's model
+  FLOPs (`model_flops_total`, all devices together: `model_flops`) imply."""
+  devices = mesh.devices.size
+  start = time.perf_counter()
+  flops = model_flops_total / devices
+  lowered = lower(program, mesh, shardings)
+  out = {"params": program.params, "trained_params": program.trained,
+         "calls_per_step": program.calls, "model_flops_per_device": flops}
+  if program.estimate is not None:
+    out["estimate"] = {k: int(v) for k, v in program.estimate(devices).items()}
+    out["estimate"]["total"] = sum(out["estimate"].values())
+  capacity = chip.device_hbm_bytes if chip else None
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    oom = _out_of_memory(e)
+    if oom is None:
+      raise
+    out["memory"] = {**oom, "capacity": capacity}
+    out["compile_seconds"] = time.perf_counter() - start
+    return out
+  out["compile_seconds"] = time.perf_counter() - start
+  mem = memory.compiled_step_bytes(compiled)
+  mem["generated_code"] = compiled.memory_analysis().generated_code_size_in_bytes
+  mem["capacity"] = capacity
+  if capacity:
+    mem["fits"] = mem["total"] <= capacity
+    mem["headroom"] = capacity - mem["total"]
+  out["memory"] = mem
+  cost = _cost(compiled.cost_analysis())
+  out["flops_per_device"] = cost.get("flops")
+  out["bytes_accessed_per_device"] = cost.get("bytes accessed")
+  text = compiled.as_text()
+  seconds = cost.get("optimal_seconds")
+  if seconds is not None and chip:
+    # libtpu adds -1 s per custom call it cannot estimate (hlo.UNESTIMATED_CALLS); added back.
+    # On the tiny RETRO config (3 of them) the corrected time came within 3% of the same step
+    # compiled without sliced prefetches (none of them).
+    out["optimal_seconds_reported"] = seconds
+    out["unestimated_calls"] = hlo.unestimated_calls(text)
+    seconds += out["unestimated_calls"]
+  if seconds is not None and seconds > 0:
+    out["optimal_seconds"] = seconds
+    if chip:
+      out["mfu"] = flops / (seconds * chip.device_peak_flops)
+  out["collectives"] = hlo.collectives(text)
+  return out
+
+
+def compile_for(config, trainer: str, topology: str, mesh: str = "data=-1", *,
+                index_rows: int = 0, config_name: str = "",
+                shardings: Callable = data_parallel) -> dict:
+  """Every program of `trainer` (steps.PROGRAMS) for `config`, compiled for the slice
+  `topology` with a mesh of axes `mesh`; the report as JSON-ready dict (see format_report).
+  Raises ValueError before anything is built for an unknown topology, a mesh that does not
+  divide it, a batch the devices do not divide, or a missing libtpu."""
+  if trainer not in steps.PROGRAMS:
+    raise ValueError(f"no compile_for programs for the {trainer!r} trainer: use one of "
+                     f"{tuple(steps.PROGRAMS)}.")
+  topo = topologies.parse(topology)
+  axes = mesh_axes(mesh, topo.num_devices)
+  if config.batch_size % topo.num_devices:
+    raise ValueError(f"--config.batch_size={config.batch_size} is not divisible by the "
+                     f"{topo.num_devices} devices of {topology}: the batch is split over every "
+                     "device; pick a multiple.")
+  devices = topologies.devices(topo)  # libtpu checked here, before any model is built
+  grid = make_mesh(devices, axes)
+  programs = steps.PROGRAMS[trainer](config, grid, index_rows)
+  flops = model_flops(trainer, config, tuple(axes), index_rows)
+  chip = topo.chip
+  report = {
+      "note": NOTE if chip else CPU_NOTE, "date": time.strftime("%Y-%m-%d"), "config": config_name,
+      "trainer": trainer, "topology": topology, "topology_name": topo.topology_name,
+      "devices": topo.num_devices, "mesh": axes, "sharding": shardings.__name__,
+      "chip": None if chip is None else {
+          "name": chip.name, "peak_tflops_per_device": chip.device_peak_flops / 1e12,
+          "hbm_gib_per_device": chip.device_hbm_bytes / topologies.GIB},
+      "versions": _versions(), "host": _host(),
+      "programs": {name: compile_program(p, grid, chip, flops[name], shardings)
+                   for name, p in programs.items()},
+  }
+  return report
+
+
+def _host() -> dict:
+  """The machine that compiled: its CPU model (as lscpu names it) and count."""
+  model = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next((line.split(":", 1)[1].strip() for line in f
+                    if line.startswith("model name")), "")
+  except OSError:
+    pass
+  return {"cpu": model, "cpus": os.cpu_count()}
+
+
+def _versions() -> dict:
+  out = {"jax": jax.__version__}
+  try:
+    out["libtpu"] = importlib.metadata.version("libtpu")
+  except importlib.metadata.PackageNotFoundError:
+    pass
+  return out
+
+
+def _gib(x) -> str:
+  return "?" if x is None else f"{x / topologies.GIB:.2f} GiB"
+
+
+def _num(x: float, unit: str = "") -> str:
+  """1.23e12 -> "1.23 T" (k, M, G, T, P)."""
+  for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    if abs(x) >= scale:
+      return f"{x / scale:.3g} {prefix}{unit}"
+  return f"{x:.3g} {unit}".rstrip()
+
+
+def format_report(report: dict) -> str:
+  """The lines experiments/compile_for.py prints: per program, memory per device against the
+  chip, collectives, FLOPs, the compiler's time and MFU."""
+  chip = report["chip"]
+  lines = [f"{report['config'] or report['trainer']} on {report['topology']} "
+           f"({report['topology_name']}, {report['devices']} devices, mesh "
+           f"{' x '.join(f'{a} {s}' for a, s in report['mesh'].items())}, {report['sharding']})",
+           report["note"]]
+  for name, p in report["programs"].items():
+    m = p["memory"]
+    calls = f", {p['calls_per_step']} calls a step" if p["calls_per_step"] > 1 else ""
+    params = (f"{_num(p['params'])} parameters ({_num(p['trained_params'])} trained)"
+              if p["trained_params"] else f"{_num(p['params'])} parameters read")
+    lines.append(f"{name}: {params}{calls}")
+    if "compiler_error" in m:
+      lines.append(f"  memory per device: does NOT fit {_gib(m['capacity'])} HBM (the compiler "
+                   f"stopped: {m['compiler_error']})")
+    else:
+      verdict = ""
+      if m.get("capacity"):
+        verdict = (f" of {_gib(m['capacity'])} HBM: "
+                   + (f"fits, {_gib(m['headroom'])} to spare" if m["fits"]
+                      else f"does NOT fit, {_gib(-m['headroom'])} over"))
+      lines.append(f"  memory per device: arguments {_gib(m['arguments'])}, outputs "
+                   f"{_gib(m['outputs'])} ({_gib(m['aliased'])} aliased), temporaries "
+                   f"{_gib(m['temporaries'])}, code {_gib(m['generated_code'])}; total "
+                   f"{_gib(m['total'])}{verdict}")
+    if "estimate" in p:
+      lines.append(f"  project's estimate (train/memory.py): {_gib(p['estimate']['total'])}")
+    if "collectives" in p:
+      c = p["collectives"]
+      parts = [f"{k} {c[k]['count']} x, {c[k]['bytes'] / 2**20:,.1f} MiB"
+               for k in hlo.KINDS if c[k]["count"]]
+      lines.append(f"  collectives per device: {'; '.join(parts) or 'none'}"
+                   + (f" ({c['unknown_trip_counts']} loops of unknown trip count counted once)"
+                      if c["unknown_trip_counts"] else ""))
+      lines.append(f"  per device: {_num(p['flops_per_device'], 'FLOP')} compiled, "
+                   f"{_num(p['model_flops_per_device'], 'FLOP')} model (no recomputation); "
+                   f"{_gib(p['bytes_accessed_per_device'])} accessed")
+    if p.get("optimal_seconds") is not None:
+      mfu = (f"; MFU {p['mfu']:.1%} of {chip['peak_tflops_per_device']:g} TFLOP/s bf16"
+             if p.get("mfu") is not None else "")
+      lines.append(f"  compiler's time (optimal_seconds) {p['optimal_seconds'] * 1e3:,.2f} ms"
+                   f"{mfu}")
+    elif chip and "collectives" in p:
+      lines.append(f"  compiler's time: not estimated ({p.get('optimal_seconds_reported')})")
+    lines.append(f"  compiled in {p['compile_seconds']:.1f} s")
+  return "\n".join(lines)

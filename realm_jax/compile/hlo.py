@@ -1,0 +1,146 @@
+"""The collectives of a compiled program, read from its HLO text (`compiled.as_text()`).
+
+    collectives(compiled.as_text())
+    # {"all-reduce": {"count": 1, "bytes": 4194304}, "all-gather": {...}, ...}
+
+Per kind (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute): how many run in
+one call of the program and the bytes of their results on one device (an SPMD program's shapes are
+a device's). An asynchronous pair (`all-gather-start` / `all-gather-done`) counts once, with the
+result of its `-done`. A collective in a while loop's body counts once per iteration when the
+compiler knows the trip count (`known_trip_count`); otherwise once, and `unknown_trip_counts` says
+how many such loops hold collectives.
+
+`unestimated_calls` counts the custom calls libtpu's cost model cannot estimate (see aot.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+# Bytes per element of HLO's element types (sub-byte types round up to a byte).
+_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
+_CALLS = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|true_computation|"
+                    r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape: `f32[1024,1024]{1,0}` or a tuple `(f32[], bf16[8,128])`."""
+  total = 0
+  for dtype, dims in re.findall(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]", shape):
+    size = _BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
+    total += size * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+  """(shape, the text after it) of an instruction's right-hand side; tuples are balanced."""
+  if rest.startswith("("):
+    depth = 0
+    for i, ch in enumerate(rest):
+      depth += {"(": 1, ")": -1}.get(ch, 0)
+      if depth == 0:
+        return rest[:i + 1], rest[i + 1:].lstrip()
+  shape, _, after = rest.partition(" ")
+  return shape, after
+
+
+def _opcode(after: str) -> str:
+  found = re.match(r"([\w\-]+)\(", after)
+  return found.group(1) if found else ""
+
+
+def _kind(opcode: str) -> str | None:
+  """The collective an opcode is (its `-done` half for an async pair), else None."""
+  if opcode in KINDS:
+    return opcode
+  base = opcode.removesuffix("-done")
+  return base if opcode.endswith("-done") and base in KINDS else None
+
+
+def collectives(hlo_text: str) -> dict:
+  """{kind: {"count", "bytes"}} for every kind in KINDS (zeros where absent), plus
+  "unknown_trip_counts": loops of unknown trip count whose bodies hold collectives."""
+  found = []                                   # (computation, kind, bytes)
+  calls = collections.defaultdict(list)        # callee -> [(caller, times)]
+  unknown_loops = []                           # (caller, body) without a trip count
+  computation = None
+  for line in hlo_text.splitlines():
+    head = _COMPUTATION.match(line)
+    if head and "=" not in line.split("(")[0]:
+      computation = head.group(1)
+      continue
+    inst = _INSTRUCTION.match(line)
+    if not inst or computation is None:
+      continue
+    shape, after = _split_shape(inst.group(1))
+    opcode = _opcode(after)
+    kind = _kind(opcode)
+    if kind:
+      found.append((computation, kind, shape_bytes(shape)))
+    trips = _TRIP_COUNT.search(after)
+    for attr, callees in _CALLS.findall(after):
+      for callee in re.findall(r"%?([\w.\-]+)", callees.strip("{}")):
+        times = 1
+        if opcode == "while" and attr == "body":
+          times = int(trips.group(1)) if trips else 1
+          if not trips:
+            unknown_loops.append(callee)
+        calls[callee].append((computation, times))
+
+  memo: dict[str, int] = {}
+
+  def runs(name: str, seen=()) -> int:
+    """How many times a computation runs per call of the program (the entry: once)."""
+    if name not in memo:
+      callers = [(c, t) for c, t in calls.get(name, ()) if c not in seen]
+      memo[name] = sum(runs(c, seen + (name,)) * t for c, t in callers) if callers else 1
+    return memo[name]
+
+  out = {kind: {"count": 0, "bytes": 0} for kind in KINDS}
+  for comp, kind, size in found:
+    out[kind]["count"] += runs(comp)
+    out[kind]["bytes"] += runs(comp) * size
+  holders = {comp for comp, _, _ in found}
+  out["unknown_trip_counts"] = sum(
+      1 for body in unknown_loops if _reaches(body, holders, _callees(calls)))
+  return out
+
+
+def _callees(calls: dict) -> dict:
+  down = collections.defaultdict(set)
+  for callee, callers in calls.items():
+    for caller, _ in callers:
+      down[caller].add(callee)
+  return down
+
+
+def _reaches(start: str, targets: set, down: dict) -> bool:
+  stack, seen = [start], set()
+  while stack:
+    name = stack.pop()
+    if name in targets:
+      return True
+    if name not in seen:
+      seen.add(name)
+      stack.extend(down.get(name, ()))
+  return False
+
+
+# Custom calls the TPU cost model gives -1 s each in `optimal_seconds`: ConcatBitcast joins the
+# slices of a sliced prefetch (memory-space assignment), itself a bitcast.
+UNESTIMATED_CALLS = ("ConcatBitcast",)
+
+
+def unestimated_calls(hlo_text: str) -> int:
+  """Custom calls of UNESTIMATED_CALLS in a compiled program (each one, wherever it is)."""
+  return sum(len(re.findall(rf'custom_call_target="{name}"', hlo_text))
+             for name in UNESTIMATED_CALLS)

@@ -1,0 +1,250 @@
+"""Each trainer's jitted programs with abstract arguments: the real step functions of the
+trainers, their state from `jax.eval_shape` (no parameter is ever allocated) and batches of the
+shapes their input pipelines give. What experiments/compile_for.py compiles for a TPU slice.
+
+    programs = PROGRAMS["retro"](config)       # {"retro": Program, "baseline": Program}
+    p = programs["retro"]
+    jax.jit(p.fn, donate_argnums=p.donate).lower(*p.args)   # after shardings (aot.py)
+
+A Program's arguments carry a role each, which aot.shardings maps to a sharding: "state" (a
+TrainState: parameters and optimizer state), "batch" (split along its first axis), "replicated"
+(the step's random key), "rows" (an index's rows, split along its first axis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import ml_collections
+import numpy as np
+
+ROLES = ("state", "batch", "replicated", "rows")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """One jitted program of a trainer.
+
+  fn: the function the trainer jits, taking `args` positionally.
+  args: pytrees of jax.ShapeDtypeStruct (no shardings yet), one per argument.
+  roles: each argument's role (ROLES); out_roles: each output's (one role: all of them).
+  donate: the arguments the trainer donates.
+  params, trained: the parameters in the state, and those the optimizer updates.
+  estimate: estimate(devices) -> the project's own memory estimate per device (train/memory.py),
+    bytes by part, when there is one.
+  calls: how many times a training step calls it.
+  """
+  fn: Callable
+  args: tuple
+  roles: tuple[str, ...]
+  out_roles: tuple[str, ...]
+  donate: tuple[int, ...] = ()
+  params: int = 0
+  trained: int = 0
+  estimate: Callable[[int], dict] | None = None
+  calls: int = 1
+
+
+def abstract(tree) -> Any:
+  """The shapes and dtypes of a pytree of arrays (numpy or jax), as ShapeDtypeStructs."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def stacked(example, batch_size: int):
+  """ShapeDtypeStructs of a batch of `batch_size` examples shaped like `example` (a pytree)."""
+  return jax.tree.map(
+      lambda v: jax.ShapeDtypeStruct((batch_size, *np.shape(v)), np.asarray(v).dtype), example)
+
+
+def count(tree, keep: Callable | None = None) -> int:
+  """Elements of a pytree's leaves (those whose key path `keep` accepts)."""
+  return sum(math.prod(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)
+             if keep is None or keep(path))
+
+
+def abstract_rng():
+  return jax.eval_shape(lambda: jax.random.key(0))
+
+
+# ------------------------------------------------------------------------------------- RETRO
+@dataclasses.dataclass(frozen=True)
+class DatabaseShape:
+  """What a RETRO model takes from its chunk database, without building one: the tokenizer the
+  database would be built with, and its chunking (train.lm_step.model_config reads these)."""
+  tokenizer: Any
+  chunk_length: int
+  seq_chunks: int
+
+
+def retro_database_shape(config) -> DatabaseShape:
+  """The tokenizer config.db builds its database with (as chunk_db.build_database chooses it:
+  config.db.tokenizer_file, else the key weights' WordPiece vocabulary) and its chunking."""
+  from realm_jax.checkpoints.weights import resolve
+  from realm_jax.text.lm_tokenizer import load_lm_tokenizer
+  db = config.db
+  vocab = "" if db.tokenizer_file else resolve(db.key_weights,
+                                               flag="--config.db.key_weights").vocab()
+  tokenizer = load_lm_tokenizer(db.tokenizer_file, vocab, "--config.db.tokenizer_file")
+  return DatabaseShape(tokenizer, db.chunk_length, db.seq_chunks)
+
+
+def retro_batch(config, batch_size: int) -> dict:
+  """A global batch as retro_batches gives it, from the pipeline's own decoding of a record."""
+  from realm_jax.data.chunks import record_layout
+  from realm_jax.data.retro_batches import DecodeSequence
+  db = config.db
+  layout = record_layout(db.chunk_length, db.seq_chunks, db.num_neighbours)
+  values = sum(math.prod(shape) for _, shape in layout["fields"])
+  example = DecodeSequence(layout, config.model.num_neighbours, np.ones(1, np.float32))(
+      bytes(4 * values))
+  return stacked(example, batch_size)
+
+
+def retro_programs(config) -> dict[str, Program]:
+  """The training step of each of config.models ("retro", "baseline"): the RETRO decoder (a
+  RETROfit's pre-trained decoder by its settings alone, config.init), AdamW as the trainer builds
+  it, the batch of config.batch_size sequences with their neighbours."""
+  from realm_jax.checkpoints import decoder
+  from realm_jax.models.retro import RetroModel
+  from realm_jax.train import lm_step, memory
+  from realm_jax.train.realm_step import TrainState
+  db = retro_database_shape(config)
+  batch = retro_batch(config, config.batch_size)
+  out = {}
+  for name in config.models:
+    retrieval = name == "retro"
+    model_config = lm_step.model_config(config, db, retrieval)
+    module = RetroModel(model_config)
+    params = jax.eval_shape(
+        functools.partial(lm_step.init_params, module, db.seq_chunks, retrieval),
+        jax.random.key(0))
+    _, tx = lm_step.optimizer(config, params)
+    state = jax.eval_shape(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx), params)
+    step = functools.partial(lm_step.train_step, module=module, retrieval=retrieval,
+                             freeze_decoder=config.freeze_decoder,
+                             dropout=config.model.dropout > 0)
+    trained = count(params, lambda path: not (
+        config.freeze_decoder and decoder.is_decoder_param(path)))
+    estimate = lambda devices, m=model_config: memory.retro_estimate(
+        config, devices, db.tokenizer.vocab_size, model=m)["parts"]
+    out[name] = Program(step, (state, batch, abstract_rng()), ("state", "batch", "replicated"),
+                        ("state", "replicated"), donate=(0,), params=count(params),
+                        trained=trained, estimate=estimate)
+  return out
+
+
+# ------------------------------------------------------------------------- REALM pre-training
+def pretrain_batch(config, batch_size: int) -> dict:
+  """A global step batch as the trainer gives it: the pipeline's masked queries laid out by the
+  real CandidateBuilder (its shapes do not depend on what was retrieved: none here)."""
+  from realm_jax.train.candidates import CandidateBuilder
+  lq, m, k = config.query_length, config.max_masked, config.num_candidates
+  ids = np.zeros((1, lq), np.int32)
+  queries = {"input_ids": ids, "attention_mask": ids.copy(), "token_type_ids": ids,
+             "mlm_positions": np.zeros((1, m), np.int32), "mlm_targets": np.zeros((1, m), np.int32),
+             "mlm_weights": np.zeros((1, m), np.float32)}
+  queries["attention_mask"][0, 0] = 1
+  builder = CandidateBuilder(None, 0, 0, k, config.doc_length, config.joint_length,
+                             null_document=config.null_document)
+  example = builder.build(queries, np.full((1, k - 1), -1))
+  return stacked(jax.tree.map(lambda x: x[0], example), batch_size)
+
+
+def search_program(config, mesh, rows: int, dim: int) -> Program | None:
+  """One call of the index search a pre-training step makes (config.index: "exact" or "approx"
+  on the devices; None for a host searcher such as ScaNN): the global batch's query embeddings
+  against `rows` rows of `dim` sharded over the mesh's "data" axis, the query's own block
+  excluded, top num_candidates - 1 (retrieval/exact.py, with ExactSearcher's defaults)."""
+  from realm_jax.retrieval import exact
+  from realm_jax.retrieval.index import index_options
+  options = index_options(config.index)
+  if options["searcher"] not in ("exact", "approx"):
+    return None
+  shards = mesh.shape["data"]
+  qbs = exact.QUERY_BATCH_SIZE
+  shard_rows, block_rows = exact.shard_layout(
+      rows, shards, max(8, exact.MAX_SCORE_BYTES // (4 * qbs)))
+  search = exact.sharded_search(
+      rows, mesh, block_rows,
+      recall_target=exact.RECALL_TARGET if options["searcher"] == "approx" else None)
+  held = exact.BITS.get(np.dtype(options["dtype"]), np.dtype(options["dtype"]))
+  q = exact.query_batch(config.batch_size, qbs)
+  k = config.num_candidates - 1
+  args = (jax.ShapeDtypeStruct((shards * shard_rows, dim), held),
+          jax.ShapeDtypeStruct((q, dim), np.float32), jax.ShapeDtypeStruct((q, 1), np.int32))
+  return Program(lambda emb, queries, exclude: search(emb, queries, exclude, k), args,
+                 ("rows", "replicated", "replicated"), ("replicated",),
+                 calls=-(-config.batch_size // q))
+
+
+def pretrain_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
+  """REALM pre-training's device programs: `train_step` (re-embeds the query and its K
+  candidates with both towers, the knowledge-augmented encoder, marginal MLM loss, AdamW),
+  `embed_queries` (the query tower over the batch) and `search` (one call of the index search
+  over `index_rows` rows, default: the corpus's when known before it is built, Wikipedia's
+  13.35M blocks). The models have config.model's sizes (init=hf weights not made yet: the
+  paper's BERT-base) or the weights'."""
+  from realm_jax.train import loop, memory, optimizer
+  from realm_jax.train.init import make_models, param_shapes
+  from realm_jax.train.realm_step import TrainState, train_step
+  mc = memory.model_config(config)
+  models = make_models(config, mc)
+  params = param_shapes(models, mc)
+  _, tx = optimizer.from_config(config)
+  state = jax.eval_shape(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx), params)
+  devices = mesh.devices.size
+  pieces = loop.microbatch_pieces(config, "microbatch", devices)
+  step = functools.partial(train_step, models=models, dropout=config.dropout, pieces=pieces)
+  batch = pretrain_batch(config, config.batch_size)
+  frozen = config.get("retriever_learning_rate", -1.0) == 0
+  rows = index_rows or memory.index_rows_for(config)
+  estimate = lambda d: memory.estimate(config, d, rows, mc)["parts"]
+  embed = lambda p, q: models.retriever.apply(
+      {"params": p}, q["input_ids"], q["attention_mask"], q["token_type_ids"],
+      method="embed_queries")
+  dim = jax.eval_shape(embed, params["retriever"], batch["query"]).shape[-1]
+  search = search_program(config, mesh, rows, dim)
+  return {
+      "train_step": Program(step, (state, batch, abstract_rng()), ("state", "batch", "replicated"),
+                            ("state", "replicated"), donate=(0,), params=count(params),
+                            trained=count(params, lambda path: not (
+                                frozen and path[0].key == "retriever")),
+                            estimate=estimate),
+      "embed_queries": Program(embed, (params["retriever"], batch["query"]),
+                               ("state", "batch"), ("replicated",),
+                               params=count(params["retriever"])),
+      **({"search": search} if search else {}),
+  }
+
+
+def trainer_of(config, flag: str = "--config") -> str:
+  """The trainer whose programs a config's run compiles: "retro" or "pretrain"."""
+  from realm_jax.train import memory
+  try:
+    return memory.run_kind(config, flag)
+  except ValueError:
+    raise ValueError(f"{flag}: compile_for compiles the steps of RETRO "
+                     "(realm_jax/configs/retro.py) and pre-training "
+                     "(realm_jax/configs/pretrain.py) configs; give one of those.") from None
+
+
+# The trainers compile_for knows: the programs of a config on so many devices, and where the
+# config says whether layers are recomputed (model FLOPs are counted without recomputation).
+PROGRAMS = {"retro": lambda config, mesh, index_rows=0: retro_programs(config),
+            "pretrain": pretrain_programs}
+REMAT_KEYS = {"retro": "model.remat", "pretrain": "remat"}
+
+
+def without_remat(config, trainer: str):
+  """A copy of `config` whose step recomputes nothing (the same FLOPs a model needs)."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  node = config
+  *parents, last = REMAT_KEYS[trainer].split(".")
+  for p in parents:
+    node = node[p]
+  node[last] = False
+  return config

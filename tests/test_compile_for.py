@@ -1,0 +1,209 @@
+"""realm_jax/compile (experiments/compile_for.py): slice names, the collective counts of HLO text,
+model FLOPs against a hand count, the same compile path on the suite's 8 CPU devices, the errors
+that come before any compiling, and (when libtpu is installed) the tiny RETRO step compiled for a
+v5e-8 slice."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import ROOT
+
+from realm_jax.compile import aot, hlo, steps, topology
+from realm_jax.configs import retro as retro_configs
+
+needs_libtpu = pytest.mark.skipif(
+    not topology.libtpu_installed(),
+    reason='libtpu is not installed (pip install -e ".[tpu-compile]"): no TPU compiler')
+
+
+@pytest.mark.parametrize("name, libtpu_name, chips, devices", [
+    ("v5e-256", "v5e:16x16", 256, 256), ("v5litepod-8", "v5e:2x4", 8, 8),
+    ("v5e-32", "v5e:4x8", 32, 32), ("v6e-128", "v6e:8x16", 128, 128),
+    ("v4-8", "v4:2x2x1", 4, 4), ("v4-64", "v4:2x4x4", 32, 32), ("v5p-128", "v5p:4x4x4", 64, 64),
+    ("v5p-256", "v5p:4x4x8", 128, 128), ("v3-128", "v3:8x8", 64, 128),
+    ("v4:2x2x2", "v4:2x2x2", 8, 8),
+])
+def test_slice_names_and_their_default_torus(name, libtpu_name, chips, devices):
+  topo = topology.parse(name)
+  assert (topo.topology_name, topo.chips, topo.num_devices) == (libtpu_name, chips, devices)
+  if "-" in name:  # Cloud TPU's own name back
+    assert topo.accelerator_type == name.replace("v5e-", "v5litepod-")
+
+
+def test_chip_figures_per_device():
+  assert topology.parse("v5e-8").chip.device_peak_flops == 197e12
+  assert topology.parse("v5p-8").chip.device_hbm_bytes == 95 * topology.GIB
+  v3 = topology.parse("v3-8").chip  # two devices per chip: half a chip's figures each
+  assert (v3.device_peak_flops, v3.device_hbm_bytes) == (61.5e12, 16 * topology.GIB)
+
+
+@pytest.mark.parametrize("name, says", [
+    ("v5e-300", "powers of two"), ("v7x-8", "unknown TPU generation"), ("v4:2x4", "3D torus"),
+    ("v4-4", "from 8"), ("v5e-512", "1 to 256"), ("tpu", "not a TPU slice name"),
+    ("cpu-64", "--xla_force_host_platform_device_count=64"),
+])
+def test_unknown_slices_are_refused_with_the_names_that_work(name, says):
+  with pytest.raises(ValueError, match=says):
+    topology.parse(name)
+
+
+def test_mesh_axes():
+  assert aot.mesh_axes("data=-1", 256) == {"data": 256}
+  assert aot.mesh_axes("data=-1,fsdp=4", 256) == {"data": 64, "fsdp": 4}
+  for spec, says in (("data=3", "multiply to 3 devices"), ("data=-1,fsdp=3", "does not divide"),
+                     ("data=-1,fsdp=-1", "only one"), ("model=8", "axes from"), ("", "at least"),
+                     ("data=0", "sizes >= 1")):
+    with pytest.raises(ValueError, match=says):
+      aot.mesh_axes(spec, 8)
+
+
+HLO = """\
+HloModule jit_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(f32[] %a, f32[] %b)
+}
+
+%body (p: (s32[], bf16[4,128])) -> (s32[], bf16[4,128]) {
+  %p = (s32[], bf16[4,128]{1,0}) parameter(0)
+  %x = bf16[4,128]{1,0:T(8,128)(2,1)} get-tuple-element(%p), index=1
+  %cp-start = (bf16[4,128]{1,0}, bf16[4,128]{1,0}, u32[], u32[]) collective-permute-start(%x), \
+source_target_pairs={{0,1},{1,0}}
+  %cp-done = bf16[4,128]{1,0} collective-permute-done(%cp-start)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], bf16[4,128]{1,0}) tuple(%i, %cp-done)
+}
+
+%cond (p: (s32[], bf16[4,128])) -> pred[] {
+  %p = (s32[], bf16[4,128]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%body2 (q: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %q = (s32[], f32[16]{0}) parameter(0)
+  %y = f32[16]{0} get-tuple-element(%q), index=1
+  %a2a = f32[16]{0} all-to-all(%y), dimensions={0}
+  %j = s32[] get-tuple-element(%q), index=0
+  ROOT %u = (s32[], f32[16]{0}) tuple(%j, %a2a)
+}
+
+ENTRY %main.1 (w: f32[1024,256], g: f32[8]) -> f32[8] {
+  %w = f32[1024,256]{1,0:T(8,128)} parameter(0)
+  %g = f32[8]{0} parameter(1)
+  %all-reduce.1 = (f32[1024,256]{1,0:T(8,128)}, f32[]{:T(128)}) all-reduce(%w, %g), \
+channel_id=1, replica_groups=[1,8]<=[8], to_apply=%add
+  %ag-start = ((f32[8]{0}), f32[64]{0}) all-gather-start(%g), dimensions={0}
+  %ag-done = f32[64]{0} all-gather-done(%ag-start)
+  %rs = f32[1]{0} reduce-scatter(%g), dimensions={0}, to_apply=%add
+  %init = (s32[], bf16[4,128]{1,0}) tuple(%c0, %b0)
+  %loop = (s32[], bf16[4,128]{1,0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"12"}}
+  %init2 = (s32[], f32[16]{0}) tuple(%c1, %z)
+  %loop2 = (s32[], f32[16]{0}) while(%init2), condition=%cond, body=%body2
+  %cat = f32[16]{0} custom-call(%z), custom_call_target="ConcatBitcast"
+  ROOT %out = f32[8]{0} copy(%g)
+}
+"""
+
+
+def test_collectives_of_hand_written_hlo():
+  got = hlo.collectives(HLO)
+  # all-reduce of a tuple: both results; the async all-gather once, at its -done; the permute in
+  # a loop of 12 known iterations, 12 times; the all-to-all in a loop of unknown trip count once.
+  assert got["all-reduce"] == {"count": 1, "bytes": 1024 * 256 * 4 + 4}
+  assert got["all-gather"] == {"count": 1, "bytes": 64 * 4}
+  assert got["reduce-scatter"] == {"count": 1, "bytes": 4}
+  assert got["collective-permute"] == {"count": 12, "bytes": 12 * 4 * 128 * 2}
+  assert got["all-to-all"] == {"count": 1, "bytes": 16 * 4}
+  assert got["unknown_trip_counts"] == 1
+  assert hlo.unestimated_calls(HLO) == 1
+  assert hlo.shape_bytes("(bf16[2,3]{1,0}, pred[], s4[10])") == 12 + 1 + 10
+
+
+def _matmul_program(batch=64, d=128, h=256):
+  """y = x @ w summed: 2 B D H multiply-adds' FLOPs plus the sum's B H - 1 additions."""
+  w = jax.ShapeDtypeStruct((d, h), jnp.float32)
+  x = jax.ShapeDtypeStruct((batch, d), jnp.float32)
+  return steps.Program(lambda w, x: jnp.sum(x @ w), (w, x), ("state", "batch"), ("replicated",),
+                       params=d * h, trained=d * h)
+
+
+def test_model_flops_equal_a_hand_count_and_the_cpu_mesh_splits_them():
+  batch, d, h = 64, 128, 256
+  program = _matmul_program(batch, d, h)
+  total = aot.program_flops(program, aot.one_device_mesh(("data",)))
+  assert total == pytest.approx(2 * batch * d * h, rel=0.01)
+  mesh = aot.make_mesh(topology.devices(topology.parse("cpu-8")), {"data": 8})
+  got = aot.compile_program(program, mesh, None, total)
+  assert got["model_flops_per_device"] == total / 8
+  assert got["flops_per_device"] == pytest.approx(total / 8, rel=0.01)
+  assert got["memory"]["arguments"] == (d * h + batch // 8 * d) * 4  # w replicated, x split
+  assert got["collectives"]["all-reduce"]["count"] == 1  # the partial sums
+  assert "mfu" not in got and "optimal_seconds" not in got  # no chip
+
+
+def _tiny_retro():
+  c = retro_configs.get_config("tiny")
+  c.models = ("retro",)
+  c.db.update(chunk_length=8, seq_chunks=2)
+  return c
+
+
+def test_tiny_retro_step_compiles_on_the_cpu_devices():
+  report = aot.compile_for(_tiny_retro(), "retro", "cpu-8", config_name="tiny")
+  assert (report["devices"], report["mesh"], report["chip"]) == (8, {"data": 8}, None)
+  p = report["programs"]["retro"]
+  assert p["params"] == p["trained_params"] > 0
+  # Data parallel: the gradients of every parameter are all-reduced (float32), nothing else moves.
+  c = p["collectives"]
+  assert c["all-reduce"]["bytes"] >= 4 * p["params"]
+  assert sum(c[k]["count"] for k in hlo.KINDS if k != "all-reduce") == 0
+  assert 0 < p["model_flops_per_device"] <= p["flops_per_device"] * 1.01
+  assert p["memory"]["arguments"] >= 12 * p["params"]  # the state: parameters + AdamW moments
+  assert p["estimate"]["total"] > 0
+  json.dumps(report)  # what --out writes
+
+
+def test_missing_libtpu_is_refused_before_any_model_is_built(monkeypatch):
+  def build(*args):
+    raise AssertionError("a model was built before libtpu was checked")
+  monkeypatch.setattr(topology, "libtpu_installed", lambda: False)
+  monkeypatch.setattr(steps, "PROGRAMS", {"retro": build})
+  with pytest.raises(ValueError, match=r'needs libtpu.*pip install -e "\.\[tpu-compile\]"'):
+    aot.compile_for(_tiny_retro(), "retro", "v5e-8")
+
+
+def test_bad_input_is_one_error_line_before_compiling():
+  config = "--config=realm_jax/configs/retro.py:tiny"
+  cases = [
+      (["--topology=v5e-300", config], "powers of two"),
+      (["--topology=v5e-16", config], "--config.batch_size=8 is not divisible by the 16 devices"),
+      (["--topology=v5e-8", "--mesh=data=3", config], "multiply to 3 devices"),
+      (["--topology=v5e-8", "--config=realm_jax/configs/finetune.py:tiny"], "RETRO"),
+  ]
+  answers = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "tests", "cli_forks.py")], cwd=ROOT, check=True,
+      input=json.dumps([["compile_for", args] for args, _ in cases]), capture_output=True,
+      text=True, timeout=300)
+  for (args, says), (code, out, err) in zip(cases, json.loads(answers.stdout)):
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and says in lines[0], (args, err)
+    assert not out
+
+
+@needs_libtpu
+def test_tiny_retro_step_compiles_for_a_v5e_slice():
+  report = aot.compile_for(_tiny_retro(), "retro", "v5e-8", config_name="tiny")
+  assert report["topology_name"] == "v5e:2x4" and report["devices"] == 8
+  p = report["programs"]["retro"]
+  assert p["memory"]["fits"] and p["memory"]["capacity"] == 16 * topology.GIB
+  assert p["collectives"]["all-reduce"]["bytes"] >= 4 * p["params"]
+  assert p["optimal_seconds"] > 0 and 0 < p["mfu"] < 1
+  assert "TPU compiler's estimates" in report["note"] and report["versions"]["libtpu"]
