@@ -199,6 +199,16 @@ def test_bad_input_is_one_error_line_before_compiling():
 
 
 @needs_libtpu
+@pytest.mark.parametrize("name, kind", [
+    ("v5e-256", "TPU v5 lite"), ("v6e-8", "TPU v6 lite"), ("v4-64", "TPU v4"),
+    ("v5p-128", "TPU v5"), ("v3-128", "TPU v3")])
+def test_libtpu_gives_the_devices_of_each_default_torus(name, kind):
+  topo = topology.parse(name)
+  devices = topology.devices(topo)
+  assert len(devices) == topo.num_devices and {d.device_kind for d in devices} == {kind}
+
+
+@needs_libtpu
 def test_tiny_retro_step_compiles_for_a_v5e_slice():
   report = aot.compile_for(_tiny_retro(), "retro", "v5e-8", config_name="tiny")
   assert report["topology_name"] == "v5e:2x4" and report["devices"] == 8
