@@ -117,11 +117,13 @@ def test_collectives_of_hand_written_hlo():
   got = hlo.collectives(HLO)
   # all-reduce of a tuple: both results; the async all-gather once, at its -done; the permute in
   # a loop of 12 known iterations, 12 times; the all-to-all in a loop of unknown trip count once.
-  assert got["all-reduce"] == {"count": 1, "bytes": 1024 * 256 * 4 + 4}
-  assert got["all-gather"] == {"count": 1, "bytes": 64 * 4}
-  assert got["reduce-scatter"] == {"count": 1, "bytes": 4}
-  assert got["collective-permute"] == {"count": 12, "bytes": 12 * 4 * 128 * 2}
-  assert got["all-to-all"] == {"count": 1, "bytes": 16 * 4}
+  count_bytes = lambda kind: (got[kind]["count"], got[kind]["bytes"])
+  assert count_bytes("all-reduce") == (1, 1024 * 256 * 4 + 4)
+  assert count_bytes("all-gather") == (1, 64 * 4)
+  assert count_bytes("reduce-scatter") == (1, 4)
+  assert got["collective-permute"] == {"count": 12, "bytes": 12 * 4 * 128 * 2,
+                                       "bytes_by_type": {"bf16": 12 * 4 * 128 * 2}}
+  assert count_bytes("all-to-all") == (1, 16 * 4)
   assert got["unknown_trip_counts"] == 1
   assert hlo.unestimated_calls(HLO) == 1
   assert hlo.shape_bytes("(bf16[2,3]{1,0}, pred[], s4[10])") == 12 + 1 + 10

@@ -300,7 +300,9 @@ def format_report(report: dict) -> str:
       lines.append(f"  project's estimate (train/memory.py): {_gib(p['estimate']['total'])}")
     if "collectives" in p:
       c = p["collectives"]
-      parts = [f"{k} {c[k]['count']} x, {c[k]['bytes'] / 2**20:,.1f} MiB"
+      types = lambda k: ", ".join(f"{t} {b / 2**20:,.1f}"
+                                  for t, b in sorted(c[k]["bytes_by_type"].items()))
+      parts = [f"{k} {c[k]['count']} x, {c[k]['bytes'] / 2**20:,.1f} MiB ({types(k)})"
                for k in hlo.KINDS if c[k]["count"]]
       lines.append(f"  collectives per device: {'; '.join(parts) or 'none'}"
                    + (f" ({c['unknown_trip_counts']} loops of unknown trip count counted once)"

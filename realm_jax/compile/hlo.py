@@ -5,7 +5,7 @@
 
 Per kind (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute): how many run in
 one call of the program and the bytes of their results on one device (an SPMD program's shapes are
-a device's). An asynchronous pair (`all-gather-start` / `all-gather-done`) counts once, with the
+a device's), also by element type (a gradient all-reduced in bf16 shows as such). An asynchronous pair (`all-gather-start` / `all-gather-done`) counts once, with the
 result of its `-done`. A collective in a while loop's body counts once per iteration when the
 compiler knows the trip count (`known_trip_count`); otherwise once, and `unknown_trip_counts` says
 how many such loops hold collectives.
@@ -34,11 +34,16 @@ _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 
 def shape_bytes(shape: str) -> int:
   """Bytes of an HLO shape: `f32[1024,1024]{1,0}` or a tuple `(f32[], bf16[8,128])`."""
-  total = 0
+  return sum(typed_bytes(shape).values())
+
+
+def typed_bytes(shape: str) -> dict[str, int]:
+  """{element type: bytes} of an HLO shape (a tuple's elements added up by type)."""
+  out: dict[str, int] = collections.defaultdict(int)
   for dtype, dims in re.findall(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]", shape):
     size = _BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
-    total += size * math.prod(int(d) for d in dims.split(",") if d)
-  return total
+    out[dtype] += size * math.prod(int(d) for d in dims.split(",") if d)
+  return dict(out)
 
 
 def _split_shape(rest: str) -> tuple[str, str]:
@@ -67,8 +72,8 @@ def _kind(opcode: str) -> str | None:
 
 
 def collectives(hlo_text: str) -> dict:
-  """{kind: {"count", "bytes"}} for every kind in KINDS (zeros where absent), plus
-  "unknown_trip_counts": loops of unknown trip count whose bodies hold collectives."""
+  """{kind: {"count", "bytes", "bytes_by_type"}} for every kind in KINDS (zeros where absent),
+  plus "unknown_trip_counts": loops of unknown trip count whose bodies hold collectives."""
   found = []                                   # (computation, kind, bytes)
   calls = collections.defaultdict(list)        # callee -> [(caller, times)]
   unknown_loops = []                           # (caller, body) without a trip count
@@ -85,7 +90,7 @@ def collectives(hlo_text: str) -> dict:
     opcode = _opcode(after)
     kind = _kind(opcode)
     if kind:
-      found.append((computation, kind, shape_bytes(shape)))
+      found.append((computation, kind, typed_bytes(shape)))
     trips = _TRIP_COUNT.search(after)
     for attr, callees in _CALLS.findall(after):
       for callee in re.findall(r"%?([\w.\-]+)", callees.strip("{}")):
@@ -105,10 +110,13 @@ def collectives(hlo_text: str) -> dict:
       memo[name] = sum(runs(c, seen + (name,)) * t for c, t in callers) if callers else 1
     return memo[name]
 
-  out = {kind: {"count": 0, "bytes": 0} for kind in KINDS}
-  for comp, kind, size in found:
-    out[kind]["count"] += runs(comp)
-    out[kind]["bytes"] += runs(comp) * size
+  out = {kind: {"count": 0, "bytes": 0, "bytes_by_type": {}} for kind in KINDS}
+  for comp, kind, sizes in found:
+    n, by_type = runs(comp), out[kind]["bytes_by_type"]
+    out[kind]["count"] += n
+    for dtype, size in sizes.items():
+      out[kind]["bytes"] += n * size
+      by_type[dtype] = by_type.get(dtype, 0) + n * size
   holders = {comp for comp, _, _ in found}
   out["unknown_trip_counts"] = sum(
       1 for body in unknown_loops if _reaches(body, holders, _callees(calls)))
