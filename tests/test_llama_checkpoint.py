@@ -352,23 +352,28 @@ def test_smollm2_logits_and_greedy_text_equal_transformers(smollm2_hf):
                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     want = hf.double()(torch.as_tensor([prompt])).logits.numpy()
     hf.float()
+  greedy = greedy[0].tolist()
+  assert len(greedy) == len(prompt) + 32
   settings = decoders.decoder_settings(llama.SMOLLM2, FLAG)
   model = RetroModel(RetroConfig(**settings))
   params = decoders.load_decoder(llama.SMOLLM2, FLAG)
   import jax
-  apply = jax.jit(lambda t: model.apply({"params": params}, t))
-  got = np.asarray(apply(np.asarray([prompt], np.int32)))
+  # The weights are an argument, not constants of the program: 135M constants would be hashed and
+  # written into the tests' persistent compilation cache (minutes).
+  apply = jax.jit(lambda p, t: model.apply({"params": p}, t))
+  # One forward over transformers' greedy text in a 64-token buffer: the tokens after a position
+  # are causally invisible to it, so position i's logits are those of greedy decoding's step with
+  # the first i + 1 tokens, and the prompt's logits those of the prompt alone. Greedy decoding
+  # then gives transformers' tokens exactly when each step's argmax is the next of them.
+  buffer = np.zeros((1, 64), np.int32)
+  buffer[0, :len(greedy)] = greedy
+  logits = np.asarray(apply(params, buffer))
+  got = logits[:, :len(prompt)]
   np.testing.assert_allclose(got[:, 1:], want[:, 1:], rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(got[:, :1], want[:, :1], rtol=0, atol=5e-4)
-  # Greedy decoding token by token over a fixed 64-token buffer: the tokens after the end are
-  # causally invisible, so one compiled program serves every step.
-  ids = list(prompt)
-  for _ in range(32):
-    buffer = np.zeros((1, 64), np.int32)
-    buffer[0, :len(ids)] = ids
-    ids.append(int(np.asarray(apply(buffer))[0, len(ids) - 1].argmax()))
-  assert ids == greedy[0].tolist()
-  assert len(tok.decode(ids[len(prompt):]).split()) >= 10   # fluent text, not a repeated token
+  steps = logits[0, len(prompt) - 1:len(greedy) - 1].argmax(-1)
+  assert steps.tolist() == greedy[len(prompt):]
+  assert len(tok.decode(greedy[len(prompt):]).split()) >= 10   # fluent text, not a repeated token
 
 
 def test_a_database_of_another_tokenizer_is_refused_before_any_weight_is_read():
