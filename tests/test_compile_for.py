@@ -125,8 +125,19 @@ def test_collectives_of_hand_written_hlo():
                                        "bytes_by_type": {"bf16": 12 * 4 * 128 * 2}}
   assert count_bytes("all-to-all") == (1, 16 * 4)
   assert got["unknown_trip_counts"] == 1
-  assert hlo.unestimated_calls(HLO) == 1
+  assert hlo.unestimated_calls(HLO) == 1 and hlo.while_loops(HLO) == 2
   assert hlo.shape_bytes("(bf16[2,3]{1,0}, pred[], s4[10])") == 12 + 1 + 10
+
+
+def test_the_compilers_out_of_memory_message_is_read():
+  got = aot.out_of_memory(
+      "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+      "temporaries (18.67G) exceeds available HBM (15.75G).\nmore")
+  assert got["what"] == "HLO temporaries" and not got["fits"]
+  assert (got["required"], got["available"]) == (18.67 * 2**30, 15.75 * 2**30)
+  got = aot.out_of_memory("RESOURCE_EXHAUSTED: Used 20.5G of 15.75G hbm. Exceeded hbm capacity")
+  assert (got["required"], got["available"]) == (20.5 * 2**30, 15.75 * 2**30)
+  assert aot.out_of_memory("INVALID_ARGUMENT: something else") is None
 
 
 def _matmul_program(batch=64, d=128, h=256):
@@ -149,6 +160,7 @@ def test_model_flops_equal_a_hand_count_and_the_cpu_mesh_splits_them():
   assert got["memory"]["arguments"] == (d * h + batch // 8 * d) * 4  # w replicated, x split
   assert got["collectives"]["all-reduce"]["count"] == 1  # the partial sums
   assert "mfu" not in got and "optimal_seconds" not in got  # no chip
+  assert got["while_loops"] == 0
 
 
 def _tiny_retro():

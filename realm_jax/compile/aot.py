@@ -13,7 +13,9 @@ another function of the same signature (a logical-axis rule table's), nothing el
 Model FLOPs are XLA's count of the step lowered without layer recomputation, before it is split
 over devices, divided by the devices: everything the step computes once (matmuls, attention,
 softmax, the optimizer), recomputation not counted. MFU = model FLOPs per device /
-(optimal_seconds x the chip's peak dense bf16 FLOP/s), also for float32 configs.
+(optimal_seconds x the chip's peak dense bf16 FLOP/s), also for float32 configs. XLA's cost
+analysis counts a while loop's body once, so a program with loops (the index search's scan over
+blocks, a step in pieces) gets no MFU.
 """
 
 from __future__ import annotations
@@ -133,19 +135,33 @@ def _cost(analysis) -> dict:
   return dict(analysis or {})
 
 
-_EXCEEDED = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
+# How libtpu says a program does not fit: "Used 20.5G of 15.75G hbm. Exceeded hbm capacity by
+# 4.75G." (older) or "the total memory required for HLO temporaries (18.67G) exceeds available HBM
+# (15.75G)."
+_EXCEEDED = (re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
+             re.compile(r"required for ([\w ]+?) \(([\d.]+)([KMGT]?)\) exceeds available HBM "
+                        r"\(([\d.]+)([KMGT]?)\)"))
+_SCALE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def _out_of_memory(error: Exception) -> dict | None:
-  """The compiler's 'does not fit' (RESOURCE_EXHAUSTED) as memory figures, else None."""
+def out_of_memory(error: Exception | str) -> dict | None:
+  """The TPU compiler's "does not fit" (RESOURCE_EXHAUSTED) as memory figures: {"fits": False,
+  "compiler_error": its first line, "required" and "available" bytes (what it names: "what")
+  where it gives them}; None for any other error."""
   text = str(error)
   if "RESOURCE_EXHAUSTED" not in text:
     return None
-  scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-  found = _EXCEEDED.search(text)
-  used = float(found.group(1)) * scale[found.group(2)] if found else None
   first = next((line for line in text.splitlines() if "RESOURCE_EXHAUSTED" in line), text)
-  return {"total": used, "fits": False, "compiler_error": " ".join(first.split())[:400]}
+  out = {"fits": False, "compiler_error": " ".join(first.split())[:400]}
+  used, required = _EXCEEDED[0].search(text), _EXCEEDED[1].search(text)
+  if used:
+    out.update(what="all", required=float(used.group(1)) * _SCALE[used.group(2)],
+               available=float(used.group(3)) * _SCALE[used.group(4)])
+  elif required:
+    out.update(what=required.group(1),
+               required=float(required.group(2)) * _SCALE[required.group(3)],
+               available=float(required.group(4)) * _SCALE[required.group(5)])
+  return out
 
 
 def compile_program(program: steps.Program, mesh: Mesh, chip: topologies.Chip | None,
@@ -167,7 +183,7 @@ def compile_program(program: steps.Program, mesh: Mesh, chip: topologies.Chip | 
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
-    oom = _out_of_memory(e)
+    oom = out_of_memory(e)
     if oom is None:
       raise
     out["memory"] = {**oom, "capacity": capacity}
@@ -193,9 +209,12 @@ def compile_program(program: steps.Program, mesh: Mesh, chip: topologies.Chip | 
     out["optimal_seconds_reported"] = seconds
     out["unestimated_calls"] = hlo.unestimated_calls(text)
     seconds += out["unestimated_calls"]
+  # XLA's cost analysis counts a loop's body once (the model FLOPs' too): with loops, the FLOPs
+  # are not a whole call's and no MFU follows from them.
+  out["while_loops"] = hlo.while_loops(text)
   if seconds is not None and seconds > 0:
     out["optimal_seconds"] = seconds
-    if chip:
+    if chip and not out["while_loops"]:
       out["mfu"] = flops / (seconds * chip.device_peak_flops)
   out["collectives"] = hlo.collectives(text)
   return out
@@ -307,9 +326,11 @@ def format_report(report: dict) -> str:
       lines.append(f"  collectives per device: {'; '.join(parts) or 'none'}"
                    + (f" ({c['unknown_trip_counts']} loops of unknown trip count counted once)"
                       if c["unknown_trip_counts"] else ""))
+      loops = (f" ({p['while_loops']} loops: each body counted once, so not a whole call's)"
+               if p["while_loops"] else "")
       lines.append(f"  per device: {_num(p['flops_per_device'], 'FLOP')} compiled, "
                    f"{_num(p['model_flops_per_device'], 'FLOP')} model (no recomputation); "
-                   f"{_gib(p['bytes_accessed_per_device'])} accessed")
+                   f"{_gib(p['bytes_accessed_per_device'])} accessed{loops}")
     if p.get("optimal_seconds") is not None:
       mfu = (f"; MFU {p['mfu']:.1%} of {chip['peak_tflops_per_device']:g} TFLOP/s bf16"
              if p.get("mfu") is not None else "")

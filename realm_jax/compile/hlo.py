@@ -5,12 +5,14 @@
 
 Per kind (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute): how many run in
 one call of the program and the bytes of their results on one device (an SPMD program's shapes are
-a device's), also by element type (a gradient all-reduced in bf16 shows as such). An asynchronous pair (`all-gather-start` / `all-gather-done`) counts once, with the
-result of its `-done`. A collective in a while loop's body counts once per iteration when the
-compiler knows the trip count (`known_trip_count`); otherwise once, and `unknown_trip_counts` says
-how many such loops hold collectives.
+a device's), also by element type (a gradient all-reduced in bf16 shows as such). An asynchronous
+pair (`all-gather-start` / `all-gather-done`) counts once, with the result of its `-done`. A
+collective in a while loop's body counts once per iteration when the HLO gives the trip count
+(`known_trip_count`, as XLA:CPU prints it; libtpu's compiled text does not); otherwise once, and
+`unknown_trip_counts` says how many such loops hold collectives.
 
-`unestimated_calls` counts the custom calls libtpu's cost model cannot estimate (see aot.py).
+`unestimated_calls` counts the custom calls libtpu's cost model cannot estimate (see aot.py);
+`while_loops` the loops, whose bodies XLA's cost analysis counts once (not once per iteration).
 """
 
 from __future__ import annotations
@@ -152,3 +154,8 @@ def unestimated_calls(hlo_text: str) -> int:
   """Custom calls of UNESTIMATED_CALLS in a compiled program (each one, wherever it is)."""
   return sum(len(re.findall(rf'custom_call_target="{name}"', hlo_text))
              for name in UNESTIMATED_CALLS)
+
+
+def while_loops(hlo_text: str) -> int:
+  """While loops in a program (XLA's cost analysis counts each body's FLOPs once)."""
+  return len(re.findall(r"\swhile\(", hlo_text))
