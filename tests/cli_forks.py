@@ -3,10 +3,11 @@ forked from this process after the imports at the top of the scripts: the ~1 s t
 a script spends starting Python and importing JAX is paid once, not once per case
 (tests/test_cli.py, whose cases fail before any expensive work).
 
-  python tests/cli_forks.py < cases.json > answers.json
+  python tests/cli_forks.py [children at a time] < cases.json > answers.json
 
 cases.json: [[script, [arg, ...]], ...]; answers.json: [[returncode, stdout, stderr], ...], in
-the same order. Run it from the repository root, in the environment the scripts should see.
+the same order. Run it from the repository root, in the environment the scripts should see; from
+a test, `run_forked(cases, env)` does.
 """
 
 import ast
@@ -14,6 +15,7 @@ import atexit
 import json
 import os
 import runpy
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -68,8 +70,8 @@ def _child(name: str, args: list[str], out: int, err: int) -> None:
     os._exit(status)
 
 
-def run_cases(cases) -> list:
-  """[(returncode, stdout, stderr)] of each (script, args), PARALLEL children at a time."""
+def run_cases(cases, parallel: int = PARALLEL) -> list:
+  """[(returncode, stdout, stderr)] of each (script, args), `parallel` children at a time."""
   files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in cases]
   running, statuses = {}, [None] * len(cases)
 
@@ -78,7 +80,7 @@ def run_cases(cases) -> list:
     statuses[running.pop(pid)] = os.waitstatus_to_exitcode(wait_status)
 
   for i, (name, args) in enumerate(cases):
-    while len(running) >= PARALLEL:
+    while len(running) >= parallel:
       reap()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -97,7 +99,17 @@ def run_cases(cases) -> list:
   return answers
 
 
+def run_forked(cases, env: dict, parallel: int = PARALLEL) -> list:
+  """[CompletedProcess] of each (script, args), run by this file in one process started with
+  `env` (cases that must not overlap, such as two runs on one work directory: parallel=1)."""
+  got = subprocess.run([sys.executable, __file__, str(parallel)], input=json.dumps(cases),
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert got.returncode == 0, got.stderr[-5000:]
+  return [subprocess.CompletedProcess([script, *args], *answer)
+          for (script, args), answer in zip(cases, json.loads(got.stdout))]
+
+
 if __name__ == "__main__":
   todo = json.load(sys.stdin)
   _import_what_scripts_import(name for name, _ in todo)
-  json.dump(run_cases(todo), sys.stdout)
+  json.dump(run_cases(todo, int(sys.argv[1]) if len(sys.argv) > 1 else PARALLEL), sys.stdout)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_forks import run_forked
 from conftest import NQ_OPEN, ROOT, one_device_env
 
 CONFIGS = {"pretrain": "realm_jax/configs/pretrain.py:tiny", "ict": "realm_jax/configs/ict.py:tiny",
@@ -216,16 +217,6 @@ def _run(script, args):
                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
 
 
-def _run_forked(commands):
-  """[CompletedProcess] of each (script, args), run by tests/cli_forks.py."""
-  got = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cli_forks.py")],
-                       input=json.dumps(commands), cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=600)
-  assert got.returncode == 0, got.stderr[-5000:]
-  return [subprocess.CompletedProcess([script, *args], *answer)
-          for (script, args), answer in zip(commands, json.loads(got.stdout))]
-
-
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory):
   tmp = str(tmp_path_factory.mktemp("cli"))
@@ -253,7 +244,7 @@ def answers(tmp_path_factory):
   results = {}
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     runs = pool.map(lambda i: _run(*commands[i][:2]), own)
-    results.update(zip(forked, _run_forked([commands[i][:2] for i in forked])))
+    results.update(zip(forked, run_forked([commands[i][:2] for i in forked], _env())))
     results.update(zip(own, runs))
   return {case[0]: (case, results[i], commands[i][2]) for i, case in enumerate(cases)}
 

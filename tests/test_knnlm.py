@@ -9,17 +9,15 @@ The decoders are tiny RetroModels with random parameters, exported as training e
 the tiny chunk database (built once, ~5 s).
 """
 
-import concurrent.futures
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, one_device_env
+from cli_forks import run_forked
+from conftest import one_device_env
 
 from realm_jax.checkpoints import retro_export
 from realm_jax.checkpoints.decoder import is_decoder_param
@@ -339,13 +337,9 @@ def test_the_decoder_memory_is_the_retro_decoder_without_its_neighbours(db, expo
 
 # ------------------------------------------------------------------------------- the script
 
-def _run(args):
-  env = dict(one_device_env(), JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, os.path.join("experiments", "knnlm_eval.py"), *args],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.slow   # subprocesses: ~15 s on 2 cores
+# One process for the cases (tests/cli_forks.py forks each after the script's imports; each as a
+# process of its own, the ten took 31 s of a loaded machine's 2 cores).
+@pytest.mark.slow
 def test_the_scripts_mistakes_are_one_error_line(db, exports, retro_store, tmp_path):
   out = str(tmp_path / "out")
   models = ["--db=" + db.directory, "--models=" + exports["baseline"], "--out=" + out]
@@ -366,8 +360,8 @@ def test_the_scripts_mistakes_are_one_error_line(db, exports, retro_store, tmp_p
       (["--db=" + db.directory, "--models=" + ",".join(exports.values()), "--out=" + out,
         "--datastore_dir=" + out + "/d," + out + "/d"], ["--datastore_dir=", "its own directory"]),
   ]
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    results = list(pool.map(_run, [args for args, _ in cases]))
+  results = run_forked([("knnlm_eval", args) for args, _ in cases],
+                       dict(one_device_env(), JAX_PLATFORMS="cpu"))
   for (args, words), got in zip(cases, results):
     errors = [line for line in got.stderr.splitlines() if line.startswith("error:")]
     assert got.returncode == 2 and len(errors) == 1, (args, got.returncode, got.stderr[-3000:])
