@@ -3,11 +3,10 @@ of commit hashes (history lives in docs/notes.md), every relative link (and its 
 every script, flagfile and config a command names exists (configs: `get_config(variant)`
 returns), and every `python experiments/<x>.py ...` (or benchmarks/) command of a ```bash block
 parses: its script reads its flags as it would for the user, up to where its main would start
-(`python tests/test_docs.py <script>` is that dry run): one process per script, ~10 s in all on
-2 busy cores.
+(`python tests/test_docs.py < commands.json` is that dry run): one process, each script in a
+child forked after the imports they share.
 """
 
-import concurrent.futures
 import importlib.util
 import json
 import os
@@ -280,28 +279,74 @@ def dry_run(script: str, argvs: list[list[str]]) -> None:
                                     "output": out.read()}), flush=True)
 
 
-def _dry_run_in_subprocess(script: str, argvs: list[list[str]]) -> list[tuple[int, str]]:
-  got = subprocess.run([sys.executable, __file__, script], input=json.dumps(argvs), cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-  results = [json.loads(line.removeprefix("dry-run: "))
-             for line in got.stdout.splitlines() if line.startswith("dry-run: ")]
-  if got.returncode != 0 or len(results) != len(argvs):  # the script does not even load
-    failed = f"python tests/test_docs.py {script} failed:\n{got.stdout[-3000:]}{got.stderr[-3000:]}"
-    return [(-1, failed)] * len(argvs)
-  return [(r["status"], r["output"]) for r in results]
+def dry_run_all(todo: dict[str, list[list[str]]]) -> dict[str, list[tuple[int, str]]]:
+  """{script: [(exit status, output) of each argv]}: `dry_run` of each script in a child forked
+  from this process, two at a time, once this process has run the scripts' module-level imports
+  (JAX, Flax, TFDS, ...): starting Python and importing those (~7 s on 2 busy cores) is paid once,
+  not once per script. A script that does not load gets -1 and its error for each argv."""
+  import ast
+  import tempfile
+  for script in todo:
+    try:  # (a script that is not there, or whose imports fail: its own child reports it)
+      for node in ast.parse((ROOT / script).read_text()).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+          exec(compile(ast.Module(body=[node], type_ignores=[]), script, "exec"), {})
+    except Exception:  # noqa: BLE001
+      pass
+  files = {script: tempfile.TemporaryFile() for script in todo}
+  running, status = {}, {}
+  for script, argvs in todo.items():
+    while len(running) >= 2:
+      pid, wait = os.wait()
+      status[running.pop(pid)] = os.waitstatus_to_exitcode(wait)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+      os.dup2(files[script].fileno(), 1)
+      os.dup2(files[script].fileno(), 2)
+      code = 1
+      try:
+        dry_run(script, argvs)
+        code = 0
+      except BaseException:  # noqa: B036  the script does not load: shown as its output
+        import traceback
+        traceback.print_exc()
+      finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    running[pid] = script
+  while running:
+    pid, wait = os.wait()
+    status[running.pop(pid)] = os.waitstatus_to_exitcode(wait)
+  out = {}
+  for script, argvs in todo.items():
+    files[script].seek(0)
+    text = files[script].read().decode(errors="replace")
+    results = [json.loads(line.removeprefix("dry-run: "))
+               for line in text.splitlines() if line.startswith("dry-run: ")]
+    if status[script] != 0 or len(results) != len(argvs):
+      out[script] = [(-1, f"the dry run of {script} failed:\n{text[-3000:]}")] * len(argvs)
+    else:
+      out[script] = [(r["status"], r["output"]) for r in results]
+  return out
 
 
 @pytest.fixture(scope="module")
 def parsed() -> dict[tuple[str, ...], tuple[int, str]]:
   """{argv: (exit status, output)} for every documented command and every mistake in MISTAKES,
-  one process per script, two at a time (an exit status of -1: the script did not load)."""
+  all in one process (`python tests/test_docs.py < commands.json`: dry_run_all; an exit status of
+  -1: the script did not load)."""
   by_script: dict[str, list[list[str]]] = {}
   for argv in [argv for _, _, argv in COMMANDS] + [argv for argv, _ in MISTAKES]:
     by_script.setdefault(argv[0], []).append(argv)
-  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-    runs = {s: pool.submit(_dry_run_in_subprocess, s, argvs) for s, argvs in by_script.items()}
-    return {tuple(argv): result for s, argvs in by_script.items()
-            for argv, result in zip(argvs, runs[s].result())}
+  got = subprocess.run([sys.executable, __file__], input=json.dumps(by_script), cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+  assert got.returncode == 0, got.stderr[-5000:]
+  results = json.loads(got.stdout.splitlines()[-1])
+  return {tuple(argv): tuple(result) for s, argvs in by_script.items()
+          for argv, result in zip(argvs, results[s])}
 
 
 def test_commands_are_found():
@@ -341,5 +386,6 @@ def test_documented_commands_parse(parsed, doc, line, argv):
 
 
 if __name__ == "__main__":
-  # python tests/test_docs.py <script> < argvs.json: see dry_run.
-  dry_run(sys.argv[1], json.load(sys.stdin))
+  # python tests/test_docs.py < {script: [argv, ...]}.json: see dry_run_all.
+  _results = dry_run_all(json.load(sys.stdin))
+  print(json.dumps(_results), flush=True)
