@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+from cli_forks import run_forked
 from conftest import one_device_env, started_early
 
 try:  # the tiny config reads the embedded corpus and the MiniLM vocabulary (the demo extra)
@@ -297,11 +298,31 @@ def test_resumed_from_an_older_checkpoint_the_later_indexes_are_not_used(tmp_pat
     np.testing.assert_array_equal(a, b, err_msg=str(path))
 
 
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory, data_dir, uninterrupted):
+  """{name: (exit status, output)} of the runs that end before training (done, or refused), in
+  one process: tests/cli_forks.py forks each after the script's imports, one at a time (two of
+  them share a work directory), instead of ~10 s of starting Python and JAX for each."""
+  root = tmp_path_factory.mktemp("quick")
+  runs = {
+      "finished": (uninterrupted,),
+      "other_config": (uninterrupted, "--config.max_masked=5"),
+      "missing_corpus": (str(root / "w"), "--config.corpus.source=jsonl",
+                         f"--config.corpus.paths=('{root / 'missing.jsonl'}',)"),
+      "bad_searcher": (str(root / "w"), "--config.index.searcher=faiss"),
+      "unknown_flag": (str(root / "w2"), "--config.no_such_setting=1"),
+  }
+  got = run_forked([("pretrain", [CONFIG, f"--workdir={workdir}", f"--config.data_dir={data_dir}",
+                                  *extra]) for workdir, *extra in runs.values()],
+                   one_device_env(), parallel=1)
+  return {"root": root, **{name: (g.returncode, g.stdout + g.stderr) for name, g in zip(runs, got)}}
+
+
 @pytest.mark.slow
-def test_finished_run_does_nothing_and_other_config_is_refused(data_dir, uninterrupted):
-  code, out = run(uninterrupted, data_dir)
+def test_finished_run_does_nothing_and_other_config_is_refused(quick_runs):
+  code, out = quick_runs["finished"]
   assert code == 0 and "Nothing to do" in out
-  code, out = run(uninterrupted, data_dir, "--config.max_masked=5")
+  code, out = quick_runs["other_config"]
   assert code != 0 and "another config" in out and "max_masked" in out
 
 
@@ -420,20 +441,18 @@ def test_a_workdir_from_before_a_fixed_setting_existed_takes_its_old_value(tmp_p
     check_workdir_config(config, str(tmp_path), FIXED_SETTINGS)
 
 
-def test_a_config_refused_for_a_typo_does_not_claim_the_workdir(tmp_path, data_dir):
+def test_a_config_refused_for_a_typo_does_not_claim_the_workdir(quick_runs):
   """A missing corpus file or a bad index setting is refused before config.json is written, so
   the corrected command is not refused as 'a run made with another config'."""
-  workdir = tmp_path / "w"
-  code, out = run(str(workdir), data_dir, "--config.corpus.source=jsonl",
-                  f"--config.corpus.paths=('{tmp_path / 'missing.jsonl'}',)")
+  code, out = quick_runs["missing_corpus"]
   assert code != 0 and "missing.jsonl" in out, out[-3000:]
-  code, out = run(str(workdir), data_dir, "--config.index.searcher=faiss")
+  code, out = quick_runs["bad_searcher"]
   assert code != 0 and "faiss" in out, out[-3000:]
-  assert not (workdir / "config.json").exists()
+  assert not (quick_runs["root"] / "w" / "config.json").exists()
 
 
-def test_unknown_flag_is_refused(tmp_path, data_dir):
-  code, out = run(str(tmp_path / "w"), data_dir, "--config.no_such_setting=1")
+def test_unknown_flag_is_refused(quick_runs):
+  code, out = quick_runs["unknown_flag"]
   assert code != 0 and "no_such_setting" in out
 
 
