@@ -79,11 +79,14 @@ def _waits_for_early_runs(item) -> bool:
 # runs start when its tests first need them.
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 _SHARED_GROUPS = {"test_ask": "tiny_qa", "test_finetune": "tiny_qa", "test_dpr": "tiny_qa"}
-# CPU seconds of each group, the runs it starts included (2 Intel Xeon cores, 2026-11-28,
-# docs/notes.md): from ~440 s down to ~60 s; the groups not named take less.
-_HEAVIEST_FIRST = ("tiny_qa", "test_pretrain", "test_train_step", "test_retro_train",
-                   "test_multihost", "test_search_demo", "test_pieces", "test_ablations",
-                   "test_qa_step", "test_knnlm", "test_loop", "test_ict")
+# Each group's seconds with `-n 0`, the runs it starts included (one group at a time, 2 AMD EPYC
+# cores shared with other work, 2026-11-28): test_pretrain ~800, tiny_qa ~500, test_retro_train
+# 274, ..., test_paths 53; the groups not named take less (~40 s and down).
+_HEAVIEST_FIRST = ("test_pretrain", "tiny_qa", "test_retro_train", "test_train_step",
+                   "test_multihost", "test_ict", "test_retro_model", "test_ablations",
+                   "test_pieces", "test_search_demo", "test_knnlm", "test_index", "test_chunk_db",
+                   "test_hf_parity", "test_qa_step", "test_llama_checkpoint", "test_cli",
+                   "test_embed", "test_loop", "test_paths")
 
 
 def _group(nodeid: str) -> str:
