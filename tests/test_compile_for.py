@@ -56,7 +56,7 @@ def test_mesh_axes():
   assert aot.mesh_axes("data=-1", 256) == {"data": 256}
   assert aot.mesh_axes("data=-1,fsdp=4", 256) == {"data": 64, "fsdp": 4}
   for spec, says in (("data=3", "multiply to 3 devices"), ("data=-1,fsdp=3", "does not divide"),
-                     ("data=-1,fsdp=-1", "only one"), ("model=8", "axes from"), ("", "at least"),
+                     ("data=-1,fsdp=-1", "only one"), ("model=8", "axes from"), ("", "'data' axis"), ("fsdp=8", "'data' axis"),
                      ("data=0", "sizes >= 1")):
     with pytest.raises(ValueError, match=says):
       aot.mesh_axes(spec, 8)

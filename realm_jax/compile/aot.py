@@ -7,7 +7,7 @@ estimate, never a measurement.
     print(format_report(report))
 
 Sharding is the project's today (`data_parallel`): parameters and optimizer state replicated, the
-batch split along every mesh axis, an index's rows split too. `compile_for(..., shardings=)` takes
+batch split along every mesh axis, an index's rows over "data". `compile_for(..., shardings=)` takes
 another function of the same signature (a logical-axis rule table's), nothing else changes.
 
 Model FLOPs are XLA's count of the step lowered without layer recomputation, before it is split
@@ -54,8 +54,9 @@ def mesh_axes(spec: str, devices: int) -> dict[str, int]:
     if name in axes:
       raise ValueError(f"--mesh={spec}: axis {name!r} is named twice.")
     axes[name] = int(size)
-  if not axes:
-    raise ValueError(f"--mesh={spec!r}: name at least one axis, e.g. --mesh=data=-1.")
+  if "data" not in axes:
+    raise ValueError(f"--mesh={spec!r}: the mesh needs a 'data' axis (the batch and an index's "
+                     "rows are split over it), e.g. --mesh=data=-1.")
   free = [a for a, s in axes.items() if s == -1]
   fixed = math.prod(s for s in axes.values() if s != -1)
   if len(free) > 1:

@@ -2,13 +2,13 @@
 trainers, their state from `jax.eval_shape` (no parameter is ever allocated) and batches of the
 shapes their input pipelines give. What experiments/compile_for.py compiles for a TPU slice.
 
-    programs = PROGRAMS["retro"](config)       # {"retro": Program, "baseline": Program}
-    p = programs["retro"]
-    jax.jit(p.fn, donate_argnums=p.donate).lower(*p.args)   # after shardings (aot.py)
+    programs = PROGRAMS["retro"](config, mesh)   # {"retro": Program, "baseline": Program}
+    aot.lower(programs["retro"], mesh)            # jitted with shardings by role, lowered
 
-A Program's arguments carry a role each, which aot.shardings maps to a sharding: "state" (a
-TrainState: parameters and optimizer state), "batch" (split along its first axis), "replicated"
-(the step's random key), "rows" (an index's rows, split along its first axis).
+A Program's arguments carry a role each, which a shardings function (aot.data_parallel today)
+maps to a sharding: "state" (a TrainState: parameters and optimizer state), "batch" (split along
+its first axis), "replicated" (the step's random key), "rows" (an index's rows, split along its
+first axis). The mesh matters only to programs that name its axes (the index search).
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ class Program:
   trained: int = 0
   estimate: Callable[[int], dict] | None = None
   calls: int = 1
-
-
-def abstract(tree) -> Any:
-  """The shapes and dtypes of a pytree of arrays (numpy or jax), as ShapeDtypeStructs."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
 def stacked(example, batch_size: int):
@@ -187,7 +182,8 @@ def pretrain_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
   `embed_queries` (the query tower over the batch) and `search` (one call of the index search
   over `index_rows` rows, default: the corpus's when known before it is built, Wikipedia's
   13.35M blocks). The models have config.model's sizes (init=hf weights not made yet: the
-  paper's BERT-base) or the weights'."""
+  paper's BERT-base) or the weights'; the query tower's [MASK] id (config.query_hides_mask) is
+  left at -1, on which no shape or cost depends."""
   from realm_jax.train import loop, memory, optimizer
   from realm_jax.train.init import make_models, param_shapes
   from realm_jax.train.realm_step import TrainState, train_step
@@ -232,8 +228,8 @@ def trainer_of(config, flag: str = "--config") -> str:
                      "(realm_jax/configs/pretrain.py) configs; give one of those.") from None
 
 
-# The trainers compile_for knows: the programs of a config on so many devices, and where the
-# config says whether layers are recomputed (model FLOPs are counted without recomputation).
+# The trainers compile_for knows: their programs for a config on a mesh, and where the config
+# says whether layers are recomputed (model FLOPs are counted without recomputation).
 PROGRAMS = {"retro": lambda config, mesh, index_rows=0: retro_programs(config),
             "pretrain": pretrain_programs}
 REMAT_KEYS = {"retro": "model.remat", "pretrain": "remat"}
