@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import ROOT
 
@@ -148,6 +149,15 @@ def _matmul_program(batch=64, d=128, h=256):
                        params=d * h, trained=d * h)
 
 
+def test_a_program_with_a_loop_has_no_model_flops():
+  def scanned(w, x):  # XLA would count the body's matmul once, not 4 times
+    return jax.lax.scan(lambda c, wi: (c + jnp.sum(x @ wi), None), 0.0, w)[0]
+  w = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)
+  x = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+  program = steps.Program(scanned, (w, x), ("state", "batch"), ("replicated",))
+  assert np.isnan(aot.program_flops(program, aot.one_device_mesh(("data",))))
+
+
 def test_model_flops_equal_a_hand_count_and_the_cpu_mesh_splits_them():
   batch, d, h = 64, 128, 256
   program = _matmul_program(batch, d, h)
@@ -231,3 +241,16 @@ def test_tiny_retro_step_compiles_for_a_v5e_slice():
   assert p["collectives"]["all-reduce"]["bytes"] >= 4 * p["params"]
   assert p["optimal_seconds"] > 0 and 0 < p["mfu"] < 1
   assert "TPU compiler's estimates" in report["note"] and report["versions"]["libtpu"]
+
+
+@pytest.mark.slow
+def test_tiny_pretraining_programs_compile_on_the_cpu_devices():
+  from realm_jax.configs import pretrain as pretrain_configs
+  report = aot.compile_for(pretrain_configs.get_config("tiny"), "pretrain", "cpu-8",
+                           index_rows=1000)
+  step, embed, search = (report["programs"][k] for k in ("train_step", "embed_queries", "search"))
+  assert step["params"] == step["trained_params"] > 0
+  assert step["collectives"]["all-reduce"]["bytes"] >= 4 * step["params"]
+  assert embed["trained_params"] == 0 and embed["memory"]["total"] > 0
+  # 1,000 rows of the index over 8 devices: 125 rows a device (float32, retriever_proj_size 16).
+  assert search["memory"]["arguments"] >= 125 * 16 * 4 and search["calls_per_step"] == 1

@@ -117,8 +117,12 @@ def one_device_mesh(axes: tuple[str, ...]) -> Mesh:
 
 def program_flops(program: steps.Program, mesh: Mesh) -> float:
   """XLA's FLOPs of one call of `program` lowered (not compiled: nothing allocated) for `mesh`;
-  on a one-device mesh, the FLOPs of the whole call."""
-  return _cost(lower(program, mesh).cost_analysis()).get("flops", float("nan"))
+  on a one-device mesh, the FLOPs of the whole call. NaN when the program loops (XLA counts a
+  loop's body once: on one device the index search scans its rows in blocks)."""
+  lowered = lower(program, mesh)
+  if "stablehlo.while" in lowered.as_text():
+    return float("nan")
+  return _cost(lowered.cost_analysis()).get("flops", float("nan"))
 
 
 def model_flops(trainer: str, config, axes: tuple[str, ...], index_rows: int = 0) -> dict:
@@ -215,7 +219,7 @@ def compile_program(program: steps.Program, mesh: Mesh, chip: topologies.Chip | 
   out["while_loops"] = hlo.while_loops(text)
   if seconds is not None and seconds > 0:
     out["optimal_seconds"] = seconds
-    if chip and not out["while_loops"]:
+    if chip and not out["while_loops"] and math.isfinite(flops):
       out["mfu"] = flops / (seconds * chip.device_peak_flops)
   out["collectives"] = hlo.collectives(text)
   return out
@@ -329,8 +333,9 @@ def format_report(report: dict) -> str:
                       if c["unknown_trip_counts"] else ""))
       loops = (f" ({p['while_loops']} loops: each body counted once, so not a whole call's)"
                if p["while_loops"] else "")
-      lines.append(f"  per device: {_num(p['flops_per_device'], 'FLOP')} compiled, "
-                   f"{_num(p['model_flops_per_device'], 'FLOP')} model (no recomputation); "
+      model = (f"{_num(p['model_flops_per_device'], 'FLOP')} model (no recomputation)"
+               if math.isfinite(p["model_flops_per_device"]) else "model FLOPs not counted (loops)")
+      lines.append(f"  per device: {_num(p['flops_per_device'], 'FLOP')} compiled, {model}; "
                    f"{_gib(p['bytes_accessed_per_device'])} accessed{loops}")
     if p.get("optimal_seconds") is not None:
       mfu = (f"; MFU {p['mfu']:.1%} of {chip['peak_tflops_per_device']:g} TFLOP/s bf16"
