@@ -89,8 +89,8 @@ def test_qa_jsonl_loader(tmp_path):
   assert load_qa_jsonl(str(p), limit=1) == [{"question": "who?", "answer": ["me"]}]
   with pytest.raises(FileNotFoundError, match="Question file .*nope.jsonl does not exist"):
     load_qa_jsonl(str(tmp_path / "nope.jsonl"))
-  p.write_text(json.dumps({"question": "x" * 1001, "answer": ["me"]}) + "\n")
-  with pytest.raises(ValueError, match=r"q.jsonl:1: the question has 1,001 characters"):
+  p.write_text(json.dumps({"question": "x" * 2001, "answer": ["me"]}) + "\n")
+  with pytest.raises(ValueError, match=r"q.jsonl:1: the question has 2,001 characters"):
     load_qa_jsonl(str(p))
 
 

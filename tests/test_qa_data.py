@@ -1,16 +1,20 @@
-"""QA datasets: NQ-Open / WebQuestions / CuratedTREC files through the TFDS builders and
-`load_questions`, errors that name the file and line, `split_by_hash`, answer matching by hand."""
+"""QA datasets: NQ-Open / TriviaQA / WebQuestions / CuratedTREC files through the TFDS builders and
+`load_questions` (../shared/data's files and written ones in each official format), errors that
+name the file and line, `split_by_hash`, answer matching by hand."""
 
 import json
+import logging
 import os
 import random
 
 import pytest
 
-from realm_jax.data.qa import (CuratedTrec, NqOpen, WebQuestions, load_questions, split_by_hash)
-from realm_jax.text.answers import exact_match, normalize_answer, regex_match
+from realm_jax.data.qa import (CuratedTrec, NqOpen, TriviaQa, WebQuestions, _iter_json_array,
+                               load_questions, split_by_hash)
+from realm_jax.text.answers import exact_match, has_answer, normalize_answer, regex_match
 
-SHARED_NQ = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "nq_open")
+SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+SHARED_NQ = os.path.join(SHARED, "nq_open")
 
 # brmson/dataset-factoid-curated's TSV: id, type, question, answer pattern (lines of its test file).
 TREC_TSV = ("2312\tfactoid\tHow many republics made up the Soviet Union?\t\\b15\\b|fifteen\n"
@@ -55,9 +59,149 @@ def test_shared_nq_open_folder_through_builder_and_load_questions(tmp_path):
   assert len(load_questions("nq_open", "efficientqa_dev", local_dir=SHARED_NQ)) == 1800
 
   builder = build(NqOpen, SHARED_NQ, tmp_path)
-  assert set(builder.info.splits) == {"dev", "efficientqa_dev"}  # no train file in the folder
+  assert set(builder.info.splits) == {"train", "dev", "efficientqa_dev"}  # train: the sample
   assert builder.info.splits["dev"].num_examples == 3610
+  assert builder.info.splits["train"].num_examples == 8757
   assert rows_of(builder, "dev") == [{k: q[k] for k in ("question", "answers")} for q in qs]
+
+
+# (dataset, split, questions, first question, its answers, file read) of ../shared/data's files.
+SHARED_FILES = [
+    ("nq_open", "train", 8757, "who sings does he love me with reba", ["Linda Davis"],
+     "NQ-open.train-sample.jsonl"),
+    ("trivia_qa", "train", 8837, "The VS-300 was a type of what?", None,
+     "trivia_qa.unfiltered.dev.jsonl"),
+    ("web_questions", "train", 3778, "what character did natalie portman play in star wars?",
+     ["Padmé Amidala"], "train.jsonl"),
+    ("web_questions", "test", 2032, "what does jamaican people speak?",
+     ["Jamaican Creole English Language", "Jamaican English"], "test.jsonl"),
+    ("curated_trec", "train", 1704, "When is Fashion week in NYC?", ["Sept?(ember)?|Feb(ruary)?"],
+     "train.jsonl"),
+    ("curated_trec", "test", 430, "How tall is Mount McKinley?", None, "test.jsonl"),
+]
+
+
+@pytest.mark.parametrize("name,split,count,first,answers,file", SHARED_FILES,
+                         ids=[f"{f[0]}-{f[1]}" for f in SHARED_FILES])
+def test_shared_files_load_with_their_counts_and_answers(name, split, count, first, answers, file,
+                                                         caplog):
+  folder = os.path.join(SHARED, name)
+  if not os.path.isdir(folder):
+    pytest.skip(f"../shared/data/{name} is not here")
+  with caplog.at_level(logging.INFO):
+    qs = load_questions(name, split, local_dir=folder)
+  assert len(qs) == count and qs[0]["question"] == first
+  if answers is not None:
+    assert qs[0]["answers"] == answers
+  assert {q["answer_type"] for q in qs} == {"regex" if name == "curated_trec" else "text"}
+  assert all(q["answers"] and all(a.strip() for a in q["answers"]) for q in qs)
+  # The log says which file was read, and whether it is the whole split.
+  said = [r.getMessage() for r in caplog.records if file in r.getMessage()]
+  assert len(said) == 1 and f"{count} questions" in said[0], caplog.text
+  sample = file.endswith(("train-sample.jsonl", "unfiltered.dev.jsonl"))
+  assert ("a sample of" in said[0]) == sample
+  if name == "curated_trec":
+    assert "not DrQA's" in said[0]
+
+
+def test_shared_trec_regexes_compile_and_match_known_answers():
+  folder = os.path.join(SHARED, "curated_trec")
+  if not os.path.isdir(folder):
+    pytest.skip("../shared/data/curated_trec is not here")
+  test = load_questions("curated_trec", "test", local_dir=folder)  # every pattern compiled
+  train = load_questions("curated_trec", "train", local_dir=folder)
+  mckinley = test[0]["answers"]
+  assert regex_match("Denali rises 20,320 feet above sea level.", mckinley)
+  assert regex_match("its summit is 6,194-meter high", mckinley)
+  assert not regex_match("It is 5,000 feet high.", mckinley)
+  mecca = next(q for q in train if q["question"].startswith("What country is the holy city"))
+  assert regex_match("Mecca, in Saudi Arabia", mecca["answers"])
+  assert not regex_match("Mecca, in Yemen", mecca["answers"])
+
+
+def test_shared_trivia_qa_keeps_every_alias():
+  folder = os.path.join(SHARED, "trivia_qa")
+  if not os.path.isdir(folder):
+    pytest.skip("../shared/data/trivia_qa is not here")
+  qs = load_questions("trivia_qa", "train", local_dir=folder)
+  aliases = qs[0]["answers"]
+  assert len(aliases) == 14 and aliases[0] == "🚁"
+  assert {"Helicopter", "Helicopters", "Copter", "Pescara (helicopter)"} <= set(aliases)
+  assert exact_match("a copter", aliases) and has_answer("The VS-300 helicopter", aliases)
+  assert sum(len(q["answers"]) > 1 for q in qs) > len(qs) / 2  # most answers have aliases
+  # The longest question (1,004 characters) loads: MAX_QUESTION_CHARS leaves room for it.
+  assert max(len(q["question"]) for q in qs) == 1004
+
+
+# The official TriviaQA file: one JSON object; a question's answer has a value and aliases.
+TRIVIA = {"Data": [
+    {"Answer": {"Aliases": ["Helicopters", "Helicopter", "Copter"], "Value": "Helicopter",
+                "NormalizedValue": "helicopter", "Type": "WikipediaEntity"},
+     "EntityPages": [], "Question": "The VS-300 was a type of what?", "QuestionId": "tc_1",
+     "SearchResults": [{"Description": "Sikorsky's \"first\" ]} helicopter", "Rank": 0}]},
+    {"Answer": {"Aliases": ["Paris"], "Value": "Paris"}, "Question": " Capital of France? ",
+     "QuestionId": "tc_2"}],
+    "Domain": "Web", "VerifiedEval": False, "Version": 1.0}
+
+
+def test_trivia_qa_official_format_local_and_downloaded(tmp_path, caplog):
+  folder = tmp_path / "tq"
+  folder.mkdir()
+  (folder / "unfiltered-web-train.json").write_text(json.dumps(TRIVIA, indent=4), encoding="utf-8")
+  with caplog.at_level(logging.INFO):
+    qs = load_questions("trivia_qa", "train", local_dir=str(folder))
+  # The value first, then the aliases not already given; the question stripped.
+  assert [(q["question"], q["answers"]) for q in qs] == [
+      ("The VS-300 was a type of what?", ["Helicopter", "Helicopters", "Copter"]),
+      ("Capital of France?", ["Paris"])]
+  assert "a sample" not in caplog.text and "unfiltered-web-train.json: 2 questions" in caplog.text
+  # Read in pieces of any size: an item cut by a piece's end is read whole (strings with brackets).
+  text = json.dumps(TRIVIA)
+  (tmp_path / "one_line.json").write_text(text, encoding="utf-8")
+  for chunk in (1, 7, 64, len(text)):
+    assert list(_iter_json_array(str(tmp_path / "one_line.json"), "Data", chunk)) == TRIVIA["Data"]
+
+  # The official config downloads the unfiltered release, which extracts to a folder.
+  inner = tmp_path / "extracted" / "triviaqa-unfiltered"
+  inner.mkdir(parents=True)
+  for split in ("train", "dev"):
+    (inner / f"unfiltered-web-{split}.json").write_text(json.dumps(TRIVIA), encoding="utf-8")
+  url = "http://nlp.cs.washington.edu/triviaqa/data/triviaqa-unfiltered.tar.gz"
+  dl = FakeDownloads({url: tmp_path / "extracted"})
+  generators = TriviaQa(data_dir=str(tmp_path / "data"))._split_generators(dl)
+  assert set(dl.urls) == {"train", "dev"} and set(dl.urls.values()) == {url}
+  assert [ex["answers"] for _, ex in generators["dev"]][1] == ["Paris"]
+
+
+@pytest.mark.parametrize("text,error", [
+    ('{"Version": 1.0}', r'expected a JSON object with a "Data": \[\.\.\.\] array'),
+    ('{"Data": [{"Question": "q?", "Answer": {"Value": "a"}}, {"Question": "r?"', r"not valid JSON"
+     r' after item #1 of "Data"'),
+    ('{"Data": [{"Question": "q?", "Answer": {"Value": "a"}} ', r'the "Data" array is not closed'),
+    ('{"Data": [{"Question": "q?", "QuestionId": "x"}]}',
+     r"question #0: expected .*not the test file without them"),
+    ('{"Data": [{"Question": "q?", "Answer": {"Value": " ", "Aliases": [""]}}]}',
+     r"question #0: the answer is blank"),
+])
+def test_malformed_trivia_qa_files_say_what_is_wrong(tmp_path, text, error):
+  (tmp_path / "unfiltered-web-dev.json").write_text(text, encoding="utf-8")
+  with pytest.raises(ValueError, match=r"unfiltered-web-dev\.json: " + error):
+    load_questions("trivia_qa", "dev", local_dir=str(tmp_path))
+
+
+def test_the_whole_train_split_is_read_before_a_sample(tmp_path, caplog):
+  line = json.dumps({"question": "who?", "answer": ["me"]}) + "\n"
+  (tmp_path / "NQ-open.train-sample.jsonl").write_text(line, encoding="utf-8")
+  with caplog.at_level(logging.INFO):
+    assert len(load_questions("nq_open", "train", local_dir=str(tmp_path))) == 1
+  assert "a sample of NQ-Open train" in caplog.text and "NQ-open.train.jsonl (87,925" in caplog.text
+  (tmp_path / "NQ-open.train.jsonl").write_text(line * 2, encoding="utf-8")
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    assert len(load_questions("nq_open", "train", local_dir=str(tmp_path))) == 2
+  assert "a sample" not in caplog.text and "NQ-open.train.jsonl: 2 questions" in caplog.text
+  builder = build(NqOpen, tmp_path, tmp_path / "data")
+  assert builder.info.splits["train"].num_examples == 2
 
 
 def test_curated_trec_regex_answers_round_trip(tmp_path):
@@ -157,7 +301,8 @@ def test_missing_folder_file_and_unknown_names(tmp_path):
     load_questions("curated_trec", "test", local_dir=str(tmp_path))
   (tmp_path / "NQ-open.dev.jsonl").write_text('{"question": "q", "answer": ["a"]}\n')
   with pytest.raises(FileNotFoundError, match=(
-      r"nq_open split 'train' needs NQ-open\.train\.jsonl in .*: download it from "
+      r"nq_open split 'train' needs NQ-open\.train\.jsonl or NQ-open\.train-sample\.jsonl in .*: "
+      r"download it from "
       r"https://raw\.githubusercontent\.com/google-research-datasets/natural-questions/master/"
       r"nq_open/NQ-open\.train\.jsonl")):
     load_questions("nq_open", "train", local_dir=str(tmp_path))
@@ -188,8 +333,8 @@ def test_missing_folder_file_and_unknown_names(tmp_path):
     ("nq_open", "dev", "NQ-open.dev.jsonl", '{"question": " ", "answer": ["a"]}\n',
      r"NQ-open\.dev\.jsonl:1: the question is empty"),
     ("nq_open", "dev", "NQ-open.dev.jsonl",
-     '{"question": "q", "answer": ["a"]}\n' + json.dumps({"question": "w" * 1001, "answer": ["a"]}),
-     r"NQ-open\.dev\.jsonl:2: the question has 1,001 characters, more than the 1,000"),
+     '{"question": "q", "answer": ["a"]}\n' + json.dumps({"question": "w" * 2001, "answer": ["a"]}),
+     r"NQ-open\.dev\.jsonl:2: the question has 2,001 characters, more than the 2,000"),
     ("curated_trec", "test", "curated-test.tsv", "1\tfactoid\tWho?\tx\n2\tfactoid\tWhat?\n",
      r"curated-test\.tsv:2: expected 4 tab-separated columns .*got 3"),
     ("curated_trec", "test", "curated-test.tsv",

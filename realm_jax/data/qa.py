@@ -1,13 +1,14 @@
-"""Open-domain QA questions: NQ-Open, WebQuestions and CuratedTREC, as TFDS datasets or plain lists.
+"""Open-domain QA questions: NQ-Open, TriviaQA, WebQuestions and CuratedTREC, as TFDS datasets or
+plain lists.
 
     qs = load_questions("nq_open", "dev", local_dir="../shared/data/nq_open")
     qs[0]  # {"question": "when was the last time anyone was on the moon",
            #  "answers": ["14 December 1972 UTC", "December 1972"], "answer_type": "text"}
     train, held_out = split_by_hash(qs, dev_percent=10, seed_string="nq-dev")
 
-Each dataset is a TFDS builder (`NqOpen`, `WebQuestions`, `CuratedTrec`; array_record files, no
-TensorFlow needed) with the features `question` (text) and `answers` (sequence of text), rows in
-the order of the source file. The answer type belongs to the dataset (`Builder.ANSWER_TYPE`, also in
+Each dataset is a TFDS builder (`NqOpen`, `TriviaQa`, `WebQuestions`, `CuratedTrec`; array_record
+files, no TensorFlow needed) with the features `question` (text) and `answers` (sequence of text),
+rows in the order of the source file. The answer type belongs to the dataset (`Builder.ANSWER_TYPE`, also in
 every dict of `load_questions`), not to a row:
   * "text": answers are compared after `text.answers.normalize_answer` (`exact_match`,
     `has_answer`);
@@ -19,19 +20,31 @@ Where the data comes from (the builders download these files; `local_dir` reads 
 * nq_open: train = NQ-open.train.jsonl (87,925), dev = NQ-open.dev.jsonl (3,610; the test set of
   ORQA and REALM), efficientqa_dev = NQ-open.efficientqa.dev.1.1.jsonl (1,800), each from
   https://raw.githubusercontent.com/google-research-datasets/natural-questions/master/nq_open/<file>
+  A local folder may hold NQ-open.train-sample.jsonl instead of the train file: a sample of it.
+* trivia_qa: train = unfiltered-web-train.json (87,622), dev = unfiltered-web-dev.json (11,313; the
+  test set of ORQA, REALM and DPR) of the unfiltered (open-domain) release,
+  http://nlp.cs.washington.edu/triviaqa/data/triviaqa-unfiltered.tar.gz (632 MB). The answers are
+  the answer's value and its aliases. A local folder may hold trivia_qa.unfiltered.dev.jsonl
+  instead of the train file: a sample of it (ORQA and DPR's dev questions, carved out of train).
 * web_questions: train (3,778), test (2,032) = webquestions.examples.<split>.json, the official
   Stanford release that DrQA's download.sh converts and ORQA resplits,
   http://nlp.stanford.edu/static/software/sempre/release-emnlp2013/lib/data/webquestions/dataset_11/webquestions.examples.<split>.json.bz2
-  A local folder may hold DrQA's converted WebQuestions-<split>.txt instead.
+  A local folder may hold DrQA's converted WebQuestions-<split>.txt or a <split>.jsonl instead.
 * curated_trec: train (1,486), test (694) = CuratedTrec-<split>.txt from DrQA's rehosting of
   brmson/dataset-factoid-curated, https://dl.fbaipublicfiles.com/drqa/CuratedTrec.tar.gz, the
-  files ORQA resplits. A local folder may hold brmson's curated-<split>.tsv instead.
+  files ORQA resplits. A local folder may hold brmson's curated-<split>.tsv or a <split>.jsonl
+  instead (../shared/data's are brmson's large2470-train and curated-test: 1,704 and 430
+  questions, not DrQA's split).
 
-File formats: NQ-Open and DrQA's *.txt are JSON lines `{"question": str, "answer": [str, ...]}`
-(for CuratedTrec-*.txt the answers are patterns). The official WebQuestions file is one JSON array
-of `{"url", "targetValue": "(list (description \\"Jazmyn Bieber\\") (description Jaxon))",
-"utterance"}`; the answers are the descriptions. brmson's TSV has 4 columns: id, type, question,
-answer pattern (one pattern, alternatives joined by `|`).
+A file that is not the whole official split is said so in the log when it is read (`QaFile.note`).
+
+File formats: NQ-Open, DrQA's *.txt and the *.jsonl are JSON lines `{"question": str, "answer":
+[str, ...]}` (for CuratedTREC the answers are patterns). The official WebQuestions file is one JSON
+array of `{"url", "targetValue": "(list (description \\"Jazmyn Bieber\\") (description Jaxon))",
+"utterance"}`; the answers are the descriptions. The official TriviaQA file is one JSON object
+`{"Data": [{"Question": str, "Answer": {"Value": str, "Aliases": [str, ...], ...}, ...}, ...]}`,
+read one question at a time (the train file is large). brmson's TSV has 4 columns: id, type,
+question, answer pattern (one pattern, alternatives joined by `|`).
 
 None of these has a separate dev split: ORQA holds out 10% of each train set by a hash of the
 question; `split_by_hash` does the same kind of split, deterministically.
@@ -43,6 +56,7 @@ import dataclasses
 import glob
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -60,6 +74,7 @@ _NQ_URL = ("https://raw.githubusercontent.com/google-research-datasets/natural-q
 _WQ_URL = ("http://nlp.stanford.edu/static/software/sempre/release-emnlp2013/lib/data/webquestions/"
            "dataset_11/")
 _DRQA_TREC_URL = "https://dl.fbaipublicfiles.com/drqa/CuratedTrec.tar.gz"
+_TRIVIA_URL = "http://nlp.cs.washington.edu/triviaqa/data/triviaqa-unfiltered.tar.gz"
 
 
 # Readers: each yields (where, question, answers); `where` ("file:line") goes into error messages.
@@ -107,6 +122,76 @@ def _read_webquestions_json(path: str) -> Iterator[tuple[str, str, list[str]]]:
     yield where, ex["utterance"], answers
 
 
+def _iter_json_array(path: str, key: str, chunk_chars: int = 1 << 20) -> Iterator[object]:
+  """The items of the array `key` of a JSON object file, decoded one at a time: a file of GBs is
+  never held whole. ValueError naming the file when it is not such a file (the array must open
+  in its first MiB, and no item may be over 64 Mi characters)."""
+  decoder, opening = json.JSONDecoder(), re.compile(r'"%s"\s*:\s*\[' % re.escape(key))
+  try:
+    f = open(path, encoding="utf-8-sig")
+  except FileNotFoundError:
+    raise FileNotFoundError(f"Question file {path} does not exist.") from None
+  with f:
+    buf, pos, eof, items = "", 0, False, 0
+
+    def more():
+      nonlocal buf, pos, eof
+      chunk = f.read(chunk_chars)
+      eof = not chunk
+      buf, pos = buf[pos:] + chunk, 0
+
+    try:
+      while (found := opening.search(buf)) is None and not eof and len(buf) < 1 << 20:
+        more()
+      if found is None:
+        raise ValueError(f'{path}: expected a JSON object with a "{key}": [...] array; is this '
+                         "the dataset's official file?")
+      pos = found.end()
+      while True:
+        while True:  # what separates the items
+          while pos < len(buf) and (buf[pos].isspace() or buf[pos] == ","):
+            pos += 1
+          if pos < len(buf) or eof:
+            break
+          more()
+        if pos >= len(buf):
+          raise ValueError(f'{path}: the "{key}" array is not closed: the file is cut short; '
+                           "download it again.")
+        if buf[pos] == "]":
+          return
+        try:
+          item, pos = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError as e:
+          if eof or len(buf) - pos > 1 << 26:  # no item is that long: a broken file
+            raise ValueError(f"{path}: not valid JSON after item #{items} of \"{key}\" ({e.msg});"
+                             " download the file again.") from None
+          more()
+          continue
+        items += 1
+        yield item
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{path}: not valid UTF-8 ({e}); download the file again.") from None
+
+
+def _read_triviaqa_json(path: str) -> Iterator[tuple[str, str, list[str]]]:
+  """The official TriviaQA file: {"Data": [{"Question", "Answer": {"Value", "Aliases"}}, ...]}.
+  The answers are the value, then its aliases not already given."""
+  for i, ex in enumerate(_iter_json_array(path, "Data")):
+    where = f"{path}: question #{i}"
+    answer = ex.get("Answer") if isinstance(ex, dict) else None
+    ok = (isinstance(ex, dict) and isinstance(ex.get("Question"), str)
+          and isinstance(answer, dict) and isinstance(answer.get("Value"), str)
+          and isinstance(answer.get("Aliases", []), list))
+    if not ok:
+      raise ValueError(f'{where}: expected {{"Question": str, "Answer": {{"Value": str, "Aliases": '
+                       "[str, ...]}}}} (a file with answers: not the test file without them).")
+    answers = [a.strip() for a in [answer["Value"], *answer.get("Aliases", [])]
+               if isinstance(a, str) and a.strip()]
+    if not answers:
+      raise ValueError(f"{where}: the answer is blank; fix or remove this question.")
+    yield where, ex["Question"].strip(), list(dict.fromkeys(answers))
+
+
 def _read_trec_tsv(path: str) -> Iterator[tuple[str, str, list[str]]]:
   """brmson/dataset-factoid-curated: `id <TAB> type <TAB> question <TAB> answer pattern` lines."""
   try:
@@ -129,11 +214,13 @@ def _read_trec_tsv(path: str) -> Iterator[tuple[str, str, list[str]]]:
 
 @dataclasses.dataclass(frozen=True)
 class QaFile:
-  """One accepted file of a split: its name in a local folder, how to read it, and (for the file
-  the builder downloads) its URL. An archive's URL extracts to a folder holding `name`."""
+  """One accepted file of a split: its name in a local folder, how to read it, (for the file the
+  builder downloads) its URL, and (for a file that is not the official split) what it is, said in
+  the log when it is read. An archive's URL extracts to a folder holding `name`."""
   name: str
   read: Callable[[str], Iterator[tuple[str, str, list[str]]]]
   url: str = ""
+  note: str = ""
 
 
 def _check_length(where: str, question: str) -> None:
@@ -164,6 +251,10 @@ def read_qa_file(path: str, qa_file: QaFile, answer_type: str) -> list[dict]:
     out.append({"question": question, "answers": answers})
   if not out:
     raise ValueError(f"{path} holds no question.")
+  if qa_file.note:
+    logging.warning("%s: %d questions, %s", path, len(out), qa_file.note)
+  else:
+    logging.info("%s: %d questions", path, len(out))
   return out
 
 
@@ -234,6 +325,22 @@ class NqOpen(_QaBuilder, skip_registration=True):
   SPLITS = {split: (QaFile(name, _read_nq_jsonl, _NQ_URL + name),) for split, name in (
       ("train", "NQ-open.train.jsonl"), ("dev", "NQ-open.dev.jsonl"),
       ("efficientqa_dev", "NQ-open.efficientqa.dev.1.1.jsonl"))}
+  SPLITS["train"] += (QaFile("NQ-open.train-sample.jsonl", _read_nq_jsonl, note=(
+      "a sample of NQ-Open train (../shared/data's: the 8,757 questions DPR holds out of it as its "
+      "dev set), not the whole split: that is NQ-open.train.jsonl (87,925 questions), "
+      f"{_NQ_URL}NQ-open.train.jsonl")),)
+
+
+class TriviaQa(_QaBuilder, skip_registration=True):
+  """TriviaQA (Joshi et al. 2017), unfiltered: trivia questions with the aliases of each answer."""
+
+  HOMEPAGE = "http://nlp.cs.washington.edu/triviaqa/"
+  SPLITS = {split: (QaFile(f"unfiltered-web-{split}.json", _read_triviaqa_json, _TRIVIA_URL),)
+            for split in ("train", "dev")}
+  SPLITS["train"] += (QaFile("trivia_qa.unfiltered.dev.jsonl", _read_nq_jsonl, note=(
+      "a sample of TriviaQA unfiltered train (../shared/data's: the 8,837 questions ORQA and DPR "
+      "hold out of it as their dev set), not the whole split: that is unfiltered-web-train.json "
+      f"(87,622 questions) in {_TRIVIA_URL}")),)
 
 
 class WebQuestions(_QaBuilder, skip_registration=True):
@@ -243,7 +350,8 @@ class WebQuestions(_QaBuilder, skip_registration=True):
   SPLITS = {split: (
       QaFile(f"webquestions.examples.{split}.json", _read_webquestions_json,
              f"{_WQ_URL}webquestions.examples.{split}.json.bz2"),
-      QaFile(f"WebQuestions-{split}.txt", _read_nq_jsonl)) for split in ("train", "test")}
+      QaFile(f"WebQuestions-{split}.txt", _read_nq_jsonl),
+      QaFile(f"{split}.jsonl", _read_nq_jsonl)) for split in ("train", "test")}
 
 
 class CuratedTrec(_QaBuilder, skip_registration=True):
@@ -252,10 +360,16 @@ class CuratedTrec(_QaBuilder, skip_registration=True):
   HOMEPAGE = "https://github.com/brmson/dataset-factoid-curated"
   ANSWER_TYPE = "regex"
   SPLITS = {split: (QaFile(f"CuratedTrec-{split}.txt", _read_nq_jsonl, _DRQA_TREC_URL),
-                    QaFile(f"curated-{split}.tsv", _read_trec_tsv)) for split in ("train", "test")}
+                    QaFile(f"curated-{split}.tsv", _read_trec_tsv),
+                    QaFile(f"{split}.jsonl", _read_nq_jsonl, note=(
+                        f"not DrQA's CuratedTrec-{split}.txt (../shared/data's are brmson's "
+                        "large2470-train and curated-test), while ORQA, REALM and DPR report on "
+                        "DrQA's 1,486 / 694 questions: figures on it do not compare with theirs")))
+            for split in ("train", "test")}
 
 
-BUILDERS: dict[str, type[_QaBuilder]] = {b.name: b for b in (NqOpen, WebQuestions, CuratedTrec)}
+BUILDERS: dict[str, type[_QaBuilder]] = {
+    b.name: b for b in (NqOpen, TriviaQa, WebQuestions, CuratedTrec)}
 
 
 def _file_in(path: str, name: str) -> str:
@@ -314,7 +428,7 @@ def load_questions(name: str, split: str, *, local_dir: str | None = None,
   """[{"question": str, "answers": [str, ...], "answer_type": "text" | "regex"}] in source order.
 
   Args:
-    name: "nq_open", "web_questions" or "curated_trec".
+    name: "nq_open", "trivia_qa", "web_questions" or "curated_trec".
     split: one of the dataset's splits (see the module docstring).
     local_dir: a folder holding the split's file: read directly, nothing is downloaded or built.
       Without it, the TFDS dataset is downloaded and built in `data_dir` (TFDS's default when None).

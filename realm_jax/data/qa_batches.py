@@ -36,7 +36,7 @@ from realm_jax.text.answers import (compile_pattern, find_subsequences, has_answ
                                     normalize_answer, regex_match)
 
 ANSWER_TYPES = ("text", "regex")
-MAX_QUESTION_CHARS = 1_000
+MAX_QUESTION_CHARS = 2_000  # TriviaQA has questions of ~1,000 characters
 
 
 def check_question(question: str) -> str:
