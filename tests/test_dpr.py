@@ -1,7 +1,9 @@
 """DPR: the in-batch loss over the global batch (8 devices = 1 device = numpy), the mined examples
-(a positive holds an answer, a hard negative never does, both the best-ranked of their kind in
-BM25's list), and a tiny run end to end whose export loads as mean-pooled towers, builds an index,
-serves evaluate.py's --retrievers (recall = a brute-force recomputation) and restores."""
+(a positive holds an answer in what the passage tower reads, a hard negative nowhere, both the
+best-ranked of their kind in BM25's list; an answer past the tower's cut makes no positive), batches
+in which no question's positive or answer is among another's passages, and a tiny run end to end
+whose export loads as mean-pooled towers, builds an index, serves evaluate.py's --retrievers
+(recall = a brute-force recomputation) and restores."""
 
 import functools
 import json
@@ -136,12 +138,12 @@ def test_positives_hold_an_answer_and_hard_negatives_never_do(tiny_corpus):
   bm25 = BM25Index.build(texts)
   questions = load_qa_jsonl(os.path.join(NQ_OPEN, "NQ-open.dev.jsonl"))
   from realm_jax.text.answers import has_answer
-  examples, counts = mine_examples(questions, bm25,
-                                   lambda r, answers, kind: has_answer(texts[r], answers),
-                                   depth=20)
+  holds = lambda r, answers, kind: has_answer(texts[r], answers)
+  examples, counts = mine_examples(questions, bm25, holds, holds, depth=20)
   assert len(examples) >= 30 and counts["examples"] == len(examples)
   assert counts["questions"] == len(questions) == (
       counts["examples"] + counts["no_positive"] + counts["no_negative"])
+  assert counts["past_the_cut"] == 0  # the passage is the whole block here
   _, ranked = bm25.search([e["question"] for e in examples], 20)
   for e, rows in zip(examples, ranked):
     answers = e["answers"]
@@ -157,6 +159,125 @@ def test_positives_hold_an_answer_and_hard_negatives_never_do(tiny_corpus):
   with_answer = sum(any(_contains(texts[r], q["answer"]) for r in rows if r >= 0)
                     for q, rows in zip(questions, all_ranked))
   assert with_answer == counts["examples"] + counts["no_negative"]
+
+
+def test_an_answer_past_the_towers_cut_makes_no_positive(tiny_corpus):
+  """PassageAnswers judges positives on the title and body as far as the passage input of
+  `passage_length` word pieces keeps them: an answer after the cut is in the block, not in the
+  passage; mining passes such a block over for a positive and never takes it as a negative."""
+  from realm_jax.checkpoints.weights import MINILM, resolve
+  from realm_jax.data.dpr import PassageAnswers, mine_examples
+  from realm_jax.text import BertTokenizer
+  _, corpus = tiny_corpus
+  tok = BertTokenizer(resolve(MINILM, flag="--config.init").vocab())
+  answers = PassageAnswers(corpus, tok, passage_length=32, truncate="longest")
+  # A long block, and a word of its body that first occurs well after the cut.
+  row = next(r for r in range(len(corpus)) if len(corpus[r]["token_ids"]) > 200)
+  passage = answers.passage_text(row)
+  block = answers.block_text(row)
+  assert block.startswith(corpus[row]["title"]) and len(passage) < len(block) / 4
+  # What the tower reads, as word pieces, is the passage text's.
+  inputs = corpus.model_inputs([row], 32, tok, "longest")
+  kept = inputs["input_ids"][0][inputs["attention_mask"][0] == 1]
+  title, body = passage[:len(corpus[row]["title"])], passage[len(corpus[row]["title"]) + 1:]
+  assert [int(x) for x in kept] == [tok.cls_id, *tok.encode(title), tok.sep_id, *tok.encode(body),
+                                    tok.sep_id]
+  seen = normalize_answer(passage).split()
+  late = next(w for w in normalize_answer(block).split()[len(seen) + 5:]
+              if w not in seen and len(w) > 4)
+  early = normalize_answer(passage).split()[-1]
+  assert answers.in_block(row, [late], "text") and not answers.in_passage(row, [late], "text")
+  assert answers.in_passage(row, [early], "text")
+  assert answers.in_block(row, [f"\\b{late}\\b"], "regex")
+  assert not answers.in_passage(row, [f"\\b{late}\\b"], "regex")
+
+  other = next(r for r in range(len(corpus)) if late not in normalize_answer(answers.block_text(r))
+               and early not in normalize_answer(answers.block_text(r)))
+
+  class Ranked:  # BM25 stand-in: the given rows, best first
+    def __init__(self, rows):
+      self.rows = rows
+
+    def __len__(self):
+      return len(corpus)
+
+    def search(self, texts, k, batch_size=None):
+      return None, np.array([self.rows] * len(texts))
+
+  question = [{"question": "q?", "answers": [late]}]
+  got, counts = mine_examples(question, Ranked([row, other]), answers.in_passage, answers.in_block)
+  assert got == [] and counts["no_positive"] == 1 and counts["past_the_cut"] == 1
+  got, _ = mine_examples([{"question": "q?", "answers": [early]}], Ranked([row, other]),
+                         answers.in_passage, answers.in_block)
+  assert [(e["positive"], e["hard_negative"]) for e in got] == [(row, other)]
+
+
+# Crafted examples: rows' texts, and (question's answers, positive row, hard negative row).
+ROWS = ["Paris is the capital of France", "Berlin is the capital of Germany", "Rome in Italy",
+        "Madrid and Spain", "Lisbon and Portugal", "a text about nothing", "Oslo and Norway",
+        "Vienna and Austria", "Bern and Switzerland", "Dublin and Ireland", "Athens and Greece",
+        "Warsaw and Poland", "Prague and Czechia", "Cairo and Egypt"]
+CRAFTED = [(["Paris"], 0, 5), (["Berlin"], 1, 0),   # 1's hard negative holds 0's answer
+           (["France"], 0, 2),                      # 0's positive block, and 1's hard negative
+           (["Rome"], 2, 3), (["Madrid"], 3, 4),    # 3's hard negative is 4's positive
+           (["Lisbon"], 4, 6), (["Oslo"], 6, 7), (["Vienna"], 7, 8), (["Bern"], 8, 9),
+           (["Dublin"], 9, 10), (["Athens"], 10, 11), (["Warsaw"], 11, 12), (["Prague"], 12, 13),
+           (["Cairo"], 13, 5)]
+
+
+def _crafted():
+  from realm_jax.text.answers import has_answer
+  examples = [{"question": f"q{i}?", "answers": a, "answer_type": "text", "positive": p,
+               "hard_negative": n} for i, (a, p, n) in enumerate(CRAFTED)]
+  return examples, lambda row, answers, kind: has_answer(ROWS[row], answers)
+
+
+def _bad_pairs(batch, examples):
+  """(i, j) of a batch where question i's positive block is among j's passages, or one of j's
+  passages holds i's answer: i would learn to avoid a passage that answers it."""
+  bad = []
+  for i in batch:
+    for j in batch:
+      passages = (examples[j]["positive"], examples[j]["hard_negative"])
+      if i != j and (examples[i]["positive"] in passages
+                     or any(_contains(ROWS[r], examples[i]["answers"]) for r in passages)):
+        bad.append((i, j))
+  return bad
+
+
+def test_no_batch_puts_a_questions_positive_or_answer_among_anothers_negatives():
+  from realm_jax.data.dpr import example_batches
+  examples, in_block = _crafted()
+  it = iter(example_batches(examples, 4, in_block, seed=0))
+  batches = [next(it) for _ in range(120)]  # ~34 epochs
+  assert all(len(b) == 4 and not _bad_pairs(b, examples) for b in batches)
+  counts = np.bincount(np.concatenate(batches), minlength=len(examples))
+  assert counts.min() > 0.6 * counts.mean()  # clashing examples wait, and still train
+  # The same shuffled order cut into consecutive batches would have broken the rule.
+  order = iter(example_batches(examples, 1, lambda *a: False, seed=0))
+  flat = [next(order)[0] for _ in range(480)]
+  assert any(_bad_pairs(flat[k:k + 4], examples) for k in range(0, 480, 4))
+
+  # Deterministic by seed; the state (the order's and the waiting examples') resumes exactly.
+  again = iter(example_batches(examples, 4, in_block, seed=0))
+  assert [next(again) for _ in range(50)] == batches[:50]
+  state = json.loads(json.dumps(again.get_state()))
+  resumed = iter(example_batches(examples, 4, in_block, seed=0))
+  resumed.set_state(state)
+  assert [next(resumed) for _ in range(70)] == batches[50:]
+  other = iter(example_batches(examples, 4, in_block, seed=1))
+  assert [next(other) for _ in range(50)] != batches[:50]
+  # One pass in order: the batches that fill; the examples left waiting are dropped.
+  once = list(example_batches(examples, 4, in_block, seed=0, shuffle=False, num_epochs=1))
+  assert once and all(not _bad_pairs(b, examples) for b in once)
+
+
+def test_examples_that_all_clash_are_refused():
+  from realm_jax.data.dpr import example_batches
+  examples, in_block = _crafted()
+  same = [dict(e, positive=0) for e in examples]  # one positive block for every question
+  with pytest.raises(ValueError, match="clash too often to fill a batch of 2: none of the 14 fits beside the 1 taken"):
+    next(iter(example_batches(same, 2, in_block, seed=0)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ Variants (`--config=realm_jax/configs/dpr.py:<variant>`):
                 python experiments/dpr.py --flagfile=experiments/flags/dpr_wiki_vital.flags
               The export (<workdir>/export) feeds build_index.py (--config.weights), fine-tuning
               (--config.retrieval.weights) and evaluate.py (--retrievers=dpr=<export>).
-  tiny        40 articles, random 2-layer towers, a few steps: for tests (seconds).
+  tiny        200 articles, random 2-layer towers, a few steps: for tests (seconds).
   paper       DPR's settings: BERT-base towers ([CLS]: here REALM's projected [CLS]), batch 128,
               lr 1e-5, 40 epochs' worth of steps, passages of 256 word pieces.
 """
@@ -79,6 +79,8 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
         intermediate_size=64, max_position_embeddings=128, retriever_proj_size=16))
     c.pooling = "mean"
     c.retrieval = build_index.get_config("tiny")
+    # 40 articles give too few examples that do not hold each other's answers for a batch of 8.
+    c.retrieval.corpus.max_docs = 200
     c.data = finetune.get_config("tiny").data
     c.data.limit = 0              # every question: few have an answer in 40 articles
     c.bm25_depth = 20

@@ -1,7 +1,9 @@
 """DPR retriever training (Karpukhin et al. 2020): `train_and_evaluate(config, workdir)`.
 
     open-QA training questions -> BM25 over the corpus -> (question, positive, hard negative)
-      (realm_jax/data/dpr.py; mined once, kept in <workdir>/examples.json)
+      (realm_jax/data/dpr.py: the positive holds an answer in what the passage tower reads of it;
+      mined once, kept in <workdir>/examples.json) -> batches in which no question's answer is in
+      another's passages
       -> jitted step: question tower [B, D], passage tower on the B positives and B hard negatives
          [2B, D] -> logits [B, 2B] over the GLOBAL batch (each question against every passage of
          every device: in-batch negatives gathered across devices) -> softmax cross-entropy with
@@ -26,8 +28,7 @@ import jax.numpy as jnp
 
 from realm_jax import config_checks
 from realm_jax.data.blocks import BLOCKINGS
-from realm_jax.data.dpr import dpr_batches, mine_examples
-from realm_jax.data.qa_batches import QaBatcher
+from realm_jax.data.dpr import PassageAnswers, dpr_batches, mine_examples
 from realm_jax.data.sources import SOURCES
 from realm_jax.io_utils import as_path, read_json, write_json
 from realm_jax.models.config import COMPUTE_DTYPES
@@ -44,6 +45,8 @@ from realm_jax.train.two_towers import (INITS, RetrieverTrainer, build_retriever
 
 Array = jax.Array
 EXAMPLES = "examples.json"
+# How the examples in examples.json were mined: a file mined otherwise is not used.
+MINING = "positive: an answer in the passage tower's text; hard negative: none in the whole block"
 # Settings a resumed run must keep: the shapes of parameters and what the examples are made of.
 FIXED_SETTINGS = ("init", "model", "num_layers", "pooling", "retrieval", "data", "bm25_depth",
                   "question_length", "passage_length")
@@ -79,22 +82,27 @@ def passage_length(config) -> int:
   return config.passage_length or config.retrieval.max_length
 
 
-def mined_examples(config, workdir: str, corpus, tokenizer: BertTokenizer) -> dict:
+def mined_examples(config, workdir: str, corpus, answers: PassageAnswers) -> dict:
   """{"train": [...], "dev": [...], "counts": {...}}: the examples of fine-tuning's training and
-  dev questions, mined once and kept in <workdir>/examples.json (a resumed run reads them)."""
+  dev questions, mined once and kept in <workdir>/examples.json (a resumed run reads them).
+  ValueError for a workdir whose examples were mined by an earlier definition of a positive: its
+  checkpoints were trained on those."""
   path = os.path.join(workdir, EXAMPLES)
   if as_path(path).exists():
     saved = read_json(path)
     if saved.get("corpus") == corpus.fingerprint:
+      if saved.get("mining") != MINING:
+        raise ValueError(
+            f"{path} holds DPR examples mined before their positives were judged on the text the "
+            "passage tower reads (and batches kept apart questions whose answers are in each "
+            "other's passages): its run does not resume with these. Use a new --workdir.")
       return saved
   questions = split_questions(config)
-  batcher = QaBatcher(corpus, tokenizer, question_length=config.question_length,
-                      reader_length=config.question_length + 4)
-  bm25 = corpus_bm25(corpus, os.path.join(workdir, "bm25"), lambda r: batcher.block(r)["text"])
-  out = {"corpus": corpus.fingerprint, "counts": {}}
+  bm25 = corpus_bm25(corpus, os.path.join(workdir, "bm25"), answers.block_text)
+  out = {"corpus": corpus.fingerprint, "mining": MINING, "counts": {}}
   for split in ("train", "dev"):
-    out[split], out["counts"][split] = mine_examples(questions[split], bm25, batcher.has_answer,
-                                                     config.bm25_depth)
+    out[split], out["counts"][split] = mine_examples(questions[split], bm25, answers.in_passage,
+                                                     answers.in_block, config.bm25_depth)
     logging.info("DPR %s examples: %s", split, out["counts"][split])
   if jax.process_index() == 0:
     write_json(path, out)
@@ -119,7 +127,9 @@ class DPRTrainer(RetrieverTrainer):
     loop.check_workdir_config(config, workdir, FIXED_SETTINGS)
     self.tokenizer = BertTokenizer(self.vocab_file)
     self.corpus = open_corpus(config.retrieval, config.data_dir or workdir, self.vocab_file)
-    self.examples = mined_examples(config, workdir, self.corpus, self.tokenizer)
+    self.answers = PassageAnswers(self.corpus, self.tokenizer, passage_length(config),
+                                  config.retrieval.truncate)
+    self.examples = mined_examples(config, workdir, self.corpus, self.answers)
     train = self.examples["train"]
     if len(train) < self.host_batch * jax.process_count():
       raise ValueError(
@@ -128,11 +138,13 @@ class DPRTrainer(RetrieverTrainer):
           f"than --config.batch_size={config.batch_size}. Lower the batch size, raise "
           "--config.bm25_depth, or use more questions (--config.data).")
     dev = self.examples["dev"]
-    if config.eval_every and len(dev) < self.host_batch * jax.process_count():
+    if config.eval_every and (len(dev) < self.host_batch * jax.process_count() or next(
+        self._batches(dev, 0, shuffle=False, num_epochs=1), None) is None):
       raise ValueError(
           f"The dev questions give {len(dev)} DPR examples ({self.examples['counts']['dev']}), "
-          f"fewer than one batch of {config.batch_size}: raise --config.data.dev_percent, lower "
-          "--config.batch_size, or set --config.eval_every=0.")
+          f"too few for one batch of {config.batch_size} in which no question's answer is in "
+          "another's passages: raise --config.data.dev_percent, lower --config.batch_size, or set "
+          "--config.eval_every=0.")
     self.schedule, tx = optimizer.from_config(config)
     self.data_iterator = self._batches(train, config.seed, shuffle=True)
     self.eval_fn = self.jit_eval(functools.partial(eval_step, model=self.model,
@@ -147,7 +159,8 @@ class DPRTrainer(RetrieverTrainer):
                        seed=seed, question_length=c.question_length,
                        passage_length=passage_length(c), truncate=c.retrieval.truncate,
                        shuffle=shuffle, shard_index=jax.process_index(),
-                       shard_count=jax.process_count(), num_epochs=num_epochs)
+                       shard_count=jax.process_count(), num_epochs=num_epochs,
+                       answers=self.answers)
 
   def next_batch(self) -> dict:
     return self.put(next(self.data_iterator))
