@@ -27,8 +27,9 @@ _CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/retr
                             "realm_jax/configs/pretrain.py:<variant>).")
 _TOPOLOGY = flags.DEFINE_string("topology", None, "The slice to compile for: v5e-256, v4-64, "
                                 "v5p-128, v6e-8, v5e:16x16, cpu-8, ...")
-_MESH = flags.DEFINE_string("mesh", "data=-1", "Mesh axes and sizes (-1: the rest of the devices); "
-                            "the batch is split over all of them.")
+_MESH = flags.DEFINE_string("mesh", "", "Mesh axes and sizes, e.g. data=-1 or data=32,fsdp=8 "
+                            "(-1: the rest of the devices; default: the config's mesh). The "
+                            "parameters are split by the config's sharding_rules.")
 _ROWS = flags.DEFINE_integer("index_rows", 0, "Pre-training: rows of the index searched (0: the "
                              "config's corpus when known, full Wikipedia's 13,353,718).")
 _OUT = flags.DEFINE_string("out", "", "Write the report as JSON here.")

@@ -287,3 +287,33 @@ def damaged_best_copy(workdir, tmp_path):
                 key=lambda p: p.stat().st_size)
   biggest.unlink()
   return where, step
+
+
+# The mesh the sharded-step tests compare with one device: every kind of split at once.
+MESH_3D = "data=2,fsdp=2,tensor=2"
+
+
+def laid_out(spec: str, params, tx):
+  """(state shardings, batch sharding, replicated) of a TrainState of `params` and `tx` on a mesh
+  `spec` (e.g. MESH_3D, or "data=1": one device) over the first devices it takes, with the
+  parameters split by realm_jax/sharding.py's default rules, as the training loop splits them."""
+  import math
+
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from realm_jax import sharding
+  from realm_jax.train.realm_step import TrainState
+  n = math.prod(int(p.split("=")[1]) for p in spec.split(","))
+  mesh = sharding.make_mesh(jax.devices()[:n], sharding.mesh_axes(spec, n))
+  shardings = sharding.param_shardings(params, mesh, sharding.parse_rules(""))
+  state = jax.eval_shape(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx), params)
+  return (sharding.state_shardings(state, params, shardings, mesh),
+          sharding.batch_sharding(mesh), NamedSharding(mesh, P()))
+
+
+def split_arrays(tree) -> int:
+  """How many arrays of `tree` no device holds whole (split over the mesh)."""
+  import jax
+  return sum(a.addressable_shards[0].data.shape != a.shape for a in jax.tree.leaves(tree))

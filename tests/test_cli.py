@@ -66,6 +66,10 @@ def _cases(files):
           (f"{job}-steps-0", job, [*base, "--config.num_steps=0"], ["--config.num_steps=0", "at least 1"]),
           (f"{job}-steps-negative", job, [*base, "--config.num_steps=-5"], ["--config.num_steps=-5"]),
           (f"{job}-no-workdir", job, [f"--config={config}"], ["--workdir"]),
+          (f"{job}-mesh-larger-than-devices", job, [*base, "--config.mesh=data=2,fsdp=8"],
+           ["--config.mesh=data=2,fsdp=8", "16 devices"]),
+          (f"{job}-unknown-logical-axis", job, [*base, "--config.sharding_rules=layers=fsdp"],
+           ["--config.sharding_rules=layers=fsdp", "'layers' is not a logical axis"]),
       ]
   cases += [
       ("pretrain-k-0", "pretrain", ["--config=" + CONFIGS["pretrain"], "--workdir={W}",

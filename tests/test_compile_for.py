@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
+from realm_jax import sharding
 from realm_jax.compile import aot, hlo, steps, topology
 from realm_jax.configs import retro as retro_configs
 
@@ -54,13 +55,13 @@ def test_unknown_slices_are_refused_with_the_names_that_work(name, says):
 
 
 def test_mesh_axes():
-  assert aot.mesh_axes("data=-1", 256) == {"data": 256}
-  assert aot.mesh_axes("data=-1,fsdp=4", 256) == {"data": 64, "fsdp": 4}
+  assert sharding.mesh_axes("data=-1", 256) == {"data": 256, "fsdp": 1, "tensor": 1}
+  assert sharding.mesh_axes("data=-1,fsdp=4", 256) == {"data": 64, "fsdp": 4, "tensor": 1}
   for spec, says in (("data=3", "multiply to 3 devices"), ("data=-1,fsdp=3", "does not divide"),
                      ("data=-1,fsdp=-1", "only one"), ("model=8", "axes from"), ("", "'data' axis"), ("fsdp=8", "'data' axis"),
                      ("data=0", "sizes >= 1")):
     with pytest.raises(ValueError, match=says):
-      aot.mesh_axes(spec, 8)
+      sharding.mesh_axes(spec, 8)
 
 
 HLO = """\
@@ -155,15 +156,15 @@ def test_a_program_with_a_loop_has_no_model_flops():
   w = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)
   x = jax.ShapeDtypeStruct((8, 8), jnp.float32)
   program = steps.Program(scanned, (w, x), ("state", "batch"), ("replicated",))
-  assert np.isnan(aot.program_flops(program, aot.one_device_mesh(("data",))))
+  assert np.isnan(aot.program_flops(program, aot.one_device_mesh()))
 
 
 def test_model_flops_equal_a_hand_count_and_the_cpu_mesh_splits_them():
   batch, d, h = 64, 128, 256
   program = _matmul_program(batch, d, h)
-  total = aot.program_flops(program, aot.one_device_mesh(("data",)))
+  total = aot.program_flops(program, aot.one_device_mesh())
   assert total == pytest.approx(2 * batch * d * h, rel=0.01)
-  mesh = aot.make_mesh(topology.devices(topology.parse("cpu-8")), {"data": 8})
+  mesh = sharding.make_mesh(topology.devices(topology.parse("cpu-8")), {"data": 8})
   got = aot.compile_program(program, mesh, None, total)
   assert got["model_flops_per_device"] == total / 8
   assert got["flops_per_device"] == pytest.approx(total / 8, rel=0.01)
@@ -182,7 +183,8 @@ def _tiny_retro():
 
 def test_tiny_retro_step_compiles_on_the_cpu_devices():
   report = aot.compile_for(_tiny_retro(), "retro", "cpu-8", config_name="tiny")
-  assert (report["devices"], report["mesh"], report["chip"]) == (8, {"data": 8}, None)
+  assert (report["devices"], report["mesh"], report["chip"]) == (
+      8, {"data": 8, "fsdp": 1, "tensor": 1}, None)
   p = report["programs"]["retro"]
   assert p["params"] == p["trained_params"] > 0
   # Data parallel: the gradients of every parameter are all-reduced (float32), nothing else moves.
@@ -208,8 +210,12 @@ def test_bad_input_is_one_error_line_before_compiling():
   config = "--config=realm_jax/configs/retro.py:tiny"
   cases = [
       (["--topology=v5e-300", config], "powers of two"),
-      (["--topology=v5e-16", config], "--config.batch_size=8 is not divisible by the 16 devices"),
+      (["--topology=v5e-16", config], "--config.batch_size=8 is not divisible by the 16 parts"),
       (["--topology=v5e-8", "--mesh=data=3", config], "multiply to 3 devices"),
+      (["--topology=v5e-8", "--mesh=data=4,fsdp=4", config], "multiply to 16 devices, but there "
+       "are 8"),
+      (["--topology=v5e-8", config, "--config.sharding_rules=layers=fsdp"],
+       "'layers' is not a logical axis"),
       (["--topology=v5e-8", "--config=realm_jax/configs/finetune.py:tiny"], "RETRO"),
   ]
   answers = subprocess.run(
@@ -254,3 +260,20 @@ def test_tiny_pretraining_programs_compile_on_the_cpu_devices():
   assert embed["trained_params"] == 0 and embed["memory"]["total"] > 0
   # 1,000 rows of the index over 8 devices: 125 rows a device (float32, retriever_proj_size 16).
   assert search["memory"]["arguments"] >= 125 * 16 * 4 and search["calls_per_step"] == 1
+
+
+def test_tiny_retro_compiles_split_over_fsdp_and_tensor_with_the_estimate_beside_it():
+  """data 2 x fsdp 2 x tensor 2 on the CPU devices: the state's arguments per device shrink to
+  about a quarter of data parallelism's (split over fsdp x tensor), parameters are gathered
+  (all-gather) and gradients reduce-scattered, and the project's estimate of the state follows."""
+  config = _tiny_retro()
+  whole = aot.compile_for(config, "retro", "cpu-8")["programs"]["retro"]
+  split = aot.compile_for(config, "retro", "cpu-8", "data=2,fsdp=2,tensor=2")["programs"]["retro"]
+  assert split["memory"]["arguments"] < 0.4 * whole["memory"]["arguments"]
+  assert split["collectives"]["all-gather"]["count"] > 0
+  state = lambda p: sum(v for k, v in p["estimate"].items() if k not in ("activations", "total"))
+  assert state(split) < 0.4 * state(whole)
+  # What the step takes in is the state (parameters and AdamW's two moments) and a small batch:
+  # the estimate's parameters and optimizer state per device are that within 20%.
+  held = split["estimate"]["parameters"] + split["estimate"]["optimizer state"]
+  assert 0.8 < held / split["memory"]["arguments"] < 1.2

@@ -6,9 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_inputs
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import MESH_3D, laid_out, random_inputs, split_arrays
 
 from realm_jax.models import RealmConfig, RealmEmbedder, RealmReader, RealmRetriever
 from realm_jax.models.open_qa import QaModels, qa_beam_logits, qa_params
@@ -112,27 +110,32 @@ def test_retriever_loss_is_hand_computed_marginal_nll():
 
 def run_steps(mesh, n_steps=2):
   tx = bert_adamw(1e-4, 10, warmup_steps=1)
-  rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  states, data, rep = laid_out(mesh, jax.eval_shape(make_params), tx)
 
   @chex.assert_max_traces(n=1)
   def step(state, batch, rng):
     return qa_train_step(state, batch, rng, models=MODELS, dropout=True)
 
-  fn = jax.jit(step, in_shardings=(rep, data, rep), out_shardings=(rep, rep), donate_argnums=0)
-  state = jax.device_put(TrainState.create(apply_fn=None, params=make_params(), tx=tx), rep)
+  fn = jax.jit(step, in_shardings=(states, data, rep), out_shardings=(states, rep),
+               donate_argnums=0)
+  state = jax.device_put(TrainState.create(apply_fn=None, params=make_params(), tx=tx), states)
   losses = []
   for s in range(n_steps):
     state, out = fn(state, jax.device_put(make_batch(seed=s), data), jax.random.key(7))
     losses.append(summarize_qa(out)["loss"])
   chex.clear_trace_counter()
+  if mesh == MESH_3D:
+    assert split_arrays(state.params) > 10  # the step ran on split parameters
   return jax.device_get(state.params), losses
 
 
 @pytest.mark.slow
 def test_sharded_step_equals_single_device():
+  """Data 2 x fsdp 2 x tensor 2 (the batch in 4 parts, parameters and Adam's moments split by
+  their logical axes) == one device, dropout included."""
   assert jax.device_count() == 8
-  single_params, single_losses = run_steps(Mesh(np.array(jax.devices()[:1]), ("data",)))
-  sharded_params, sharded_losses = run_steps(Mesh(np.array(jax.devices()), ("data",)))
+  single_params, single_losses = run_steps("data=1")
+  sharded_params, sharded_losses = run_steps(MESH_3D)
   np.testing.assert_allclose(sharded_losses, single_losses, rtol=1e-5)
   chex.assert_trees_all_close(sharded_params, single_params, atol=1e-5, rtol=0)
 

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import ROOT, one_device_env, started_early
+from conftest import MESH_3D, ROOT, one_device_env, started_early
 
 from realm_jax.checkpoints import retro_export
 from realm_jax.configs.retro import get_config
@@ -87,12 +87,14 @@ def export_arrays(export):
 
 
 def _start_training(tmp_path_factory):
-  """The RETRO and baseline decoders trained 6 steps, then evaluated, in a fresh work directory;
-  the run first builds the tiny chunk database in <work>/db (where it looks: config.db.dir left
-  empty)."""
+  """The RETRO and baseline decoders trained 6 steps, then evaluated, in a fresh work directory,
+  on the 8 fake devices as data 2 x fsdp 2 x tensor 2 (parameters and optimizer state split by
+  their logical axes); the run first builds the tiny chunk database in <work>/db (where it looks:
+  config.db.dir left empty)."""
   root = tmp_path_factory.mktemp("retro")
   work, log = str(root / "work"), root / "trained.log"
-  proc = start("retro_train", CONFIG, f"--workdir={work}", *STEPS, log=log)
+  proc = start("retro_train", CONFIG, f"--workdir={work}", *STEPS, f"--config.mesh={MESH_3D}",
+               log=log)
 
   def finish():
     proc.wait(timeout=600)
@@ -123,8 +125,8 @@ def db(trained):
 # ------------------------------------------------------------------------------------ training
 @pytest.mark.slow
 def test_sharded_steps_equal_a_plain_one_device_loop(db, trained):
-  """`trained` ran on the 8 fake devices (a batch of 8: one sequence a device); a plain loop here
-  on one device, from the same initial parameters (`module.init` with key(seed), as the trainer)
+  """`trained` ran on the 8 fake devices split three ways (the batch of 8 in 4 parts, the
+  parameters split by their logical axes); a plain loop here on one device, from the same initial parameters (`module.init` with key(seed), as the trainer)
   over the same batches, ends with the same parameters."""
   config = get_config("tiny")
   config.num_steps = 6

@@ -9,9 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import perturbed, random_inputs
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import MESH_3D, laid_out, perturbed, random_inputs, split_arrays
 
 from realm_jax.models import BertModel, KnowledgeAugEncoder, RealmConfig, RealmRetriever
 from realm_jax.train.init import _init
@@ -50,15 +48,15 @@ def make_params(models, seed=0):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_step(devices: int):
-  """(models, tx, shardings, jitted step with the state donated) over the first `devices` devices,
-  shared by the tests so that each mesh's step compiles once."""
-  mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
+def compiled_step(mesh: str):
+  """(models, tx, state shardings, batch sharding, jitted step with the state donated) on `mesh`
+  (conftest.laid_out: the parameters split as the training loop splits them), shared by the tests
+  so that each mesh's step compiles once."""
   models = make_models()
   # Adam divides by sqrt(v): on a parameter whose gradient is ~0 (a rare word piece) a 1e-9
   # difference from another summation order moves the update by ~lr, so lr bounds the comparison.
   tx = bert_adamw(1e-4, 10, warmup_steps=2)
-  rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  states, data, rep = laid_out(mesh, jax.eval_shape(lambda: make_params(models)), tx)
 
   chex.clear_trace_counter()  # chex counts by function: the other mesh's `step` traced once too
 
@@ -66,26 +64,32 @@ def compiled_step(devices: int):
   def step(state, batch, rng):
     return train_step(state, batch, rng, models=models)
 
-  fn = jax.jit(step, in_shardings=(rep, data, rep), out_shardings=(rep, rep), donate_argnums=0)
-  return models, tx, rep, data, fn
+  fn = jax.jit(step, in_shardings=(states, data, rep), out_shardings=(states, rep),
+               donate_argnums=0)
+  return models, tx, states, data, fn
 
 
-def run_steps(devices, n_steps=3):
-  models, tx, rep, data, fn = compiled_step(devices)
-  state = jax.device_put(TrainState.create(apply_fn=None, params=make_params(models), tx=tx), rep)
+def run_steps(mesh, n_steps=3):
+  models, tx, states, data, fn = compiled_step(mesh)
+  state = jax.device_put(TrainState.create(apply_fn=None, params=make_params(models), tx=tx),
+                         states)
   losses = []
   for s in range(n_steps):
     batch = jax.device_put(make_batch(seed=s), data)
     state, out = fn(state, batch, jax.random.key(7))
     losses.append(float(out["loss_sum"]) / float(out["tokens"]))
+  if mesh == MESH_3D:
+    assert split_arrays(state.params) > 10  # the step ran on split parameters
   return jax.device_get(state.params), losses
 
 
 @pytest.mark.slow
 def test_sharded_step_equals_single_device_with_one_compilation():
+  """Data 2 x fsdp 2 x tensor 2 (the batch in 4 parts, parameters and Adam's moments split by
+  their logical axes) == one device."""
   assert jax.device_count() == 8
-  single_params, single_losses = run_steps(1)
-  sharded_params, sharded_losses = run_steps(8)
+  single_params, single_losses = run_steps("data=1")
+  sharded_params, sharded_losses = run_steps(MESH_3D)
   np.testing.assert_allclose(sharded_losses, single_losses, atol=1e-5, rtol=0)
   assert single_losses[0] != single_losses[2]  # the parameters did move
   chex.assert_trees_all_close(sharded_params, single_params, atol=1e-5, rtol=0)
@@ -97,12 +101,12 @@ def test_non_finite_loss_skips_the_update():
   """Neither the parameters nor Adam's moments and count change (a finite gradient would move the
   moments even at the warmup's zero rate); the step counter and the learning-rate schedule's count
   advance together, so the rate in use stays schedule(step), the one the trainers log."""
-  models, tx, rep, data, fn = compiled_step(1)
+  models, tx, states, data, fn = compiled_step("data=1")
   state = TrainState.create(apply_fn=None, params=make_params(models), tx=tx)
   before = jax.device_get(state)
   batch = make_batch()
   batch["mlm_weights"][0, 0] = np.nan  # -> NaN loss and gradients
-  new, out = fn(jax.device_put(state, rep), jax.device_put(batch, data), jax.random.key(0))
+  new, out = fn(jax.device_put(state, states), jax.device_put(batch, data), jax.random.key(0))
   assert float(out["skipped"]) == 1.0 and int(new.step) == 1
   chex.assert_trees_all_equal(jax.device_get(new.params), before.params)
   is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)

@@ -6,9 +6,10 @@ estimate, never a measurement.
     report = compile_for(config, "retro", "v5e-256")     # experiments/compile_for.py
     print(format_report(report))
 
-Sharding is the project's today (`data_parallel`): parameters and optimizer state replicated, the
-batch split along every mesh axis, an index's rows over "data". `compile_for(..., shardings=)` takes
-another function of the same signature (a logical-axis rule table's), nothing else changes.
+The programs are laid out as the training loop lays them out (realm_jax/sharding.py): a mesh of
+"data", "fsdp" and "tensor" (`--mesh`, default the config's `mesh`), the parameters and optimizer
+state split by their logical axes and the config's `sharding_rules`, the batch over "data" and
+"fsdp", an index's rows over "data".
 
 Model FLOPs are XLA's count of the step lowered without layer recomputation, before it is split
 over devices, divided by the devices: everything the step computes once (matmuls, attention,
@@ -28,10 +29,12 @@ import time
 from typing import Callable
 
 import jax
+import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from realm_jax import sharding
 from realm_jax.compile import hlo, steps, topology as topologies
 from realm_jax.train import memory
 
@@ -39,57 +42,33 @@ NOTE = ("All figures are the TPU compiler's estimates (XLA's memory and cost ana
         "program compiled for the slice on a CPU machine), not measurements on a TPU.")
 CPU_NOTE = ("XLA:CPU's memory and cost analyses of the program compiled for this process's CPU "
             "devices (no chip: no HBM verdict, no step time, no MFU).")
-MESH_AXES = ("data", "fsdp", "tensor")
+def logical(rules: dict):
+  """The shardings function of a run laid out as the training loop lays it out
+  (realm_jax/sharding.py): (in_shardings, out_shardings) of a program, one per argument and
+  output, by role: a state (a TrainState, or parameters alone) split by its parameters' logical
+  axes and `rules`, a batch split along its first axis over "data" and "fsdp", the random key
+  replicated, an index's rows over "data" (with the default mesh "data=-1": data parallelism)."""
+  def shardings(mesh: Mesh, program: steps.Program) -> tuple[tuple, tuple]:
+    replicated = NamedSharding(mesh, P())
+    by_role = {"replicated": replicated, "batch": sharding.batch_sharding(mesh),
+               "rows": NamedSharding(mesh, P("data"))}
+    ins = []
+    for arg, role in zip(program.args, program.roles):
+      if role != "state" or not rules:
+        ins.append(by_role.get(role, replicated))
+      elif hasattr(arg, "params"):
+        params = sharding.param_shardings(arg.params, mesh, rules)
+        ins.append(sharding.state_shardings(arg, arg.params, params, mesh))
+      else:
+        ins.append(sharding.param_shardings(arg, mesh, rules))
+    state = next((s for s, r in zip(ins, program.roles) if r == "state"), replicated)
+    outs = tuple(state if r == "state" else by_role[r] for r in program.out_roles)
+    return tuple(ins), outs if len(outs) > 1 else outs[0]
+  shardings.__name__ = "logical axes: " + ",".join(f"{k}={v or 'none'}" for k, v in rules.items())
+  return shardings
 
 
-def mesh_axes(spec: str, devices: int) -> dict[str, int]:
-  """{axis: size} of a `--mesh` such as "data=-1" or "data=64,fsdp=4" (-1: what the other axes
-  leave); ValueError unless the sizes multiply to the slice's `devices`."""
-  axes = {}
-  for part in filter(None, (p.strip() for p in spec.split(","))):
-    name, _, size = part.partition("=")
-    if name not in MESH_AXES or not re.fullmatch(r"-1|[1-9]\d*", size.strip()):
-      raise ValueError(f"--mesh={spec}: give axis=size pairs with axes from {MESH_AXES} and "
-                       "sizes >= 1 (one may be -1: the rest), e.g. --mesh=data=-1.")
-    if name in axes:
-      raise ValueError(f"--mesh={spec}: axis {name!r} is named twice.")
-    axes[name] = int(size)
-  if "data" not in axes:
-    raise ValueError(f"--mesh={spec!r}: the mesh needs a 'data' axis (the batch and an index's "
-                     "rows are split over it), e.g. --mesh=data=-1.")
-  free = [a for a, s in axes.items() if s == -1]
-  fixed = math.prod(s for s in axes.values() if s != -1)
-  if len(free) > 1:
-    raise ValueError(f"--mesh={spec}: only one axis may be -1.")
-  if free and devices % fixed:
-    raise ValueError(f"--mesh={spec}: the sized axes take {fixed} devices, which does not divide "
-                     f"the topology's {devices}; pick sizes whose product divides {devices}.")
-  if not free and fixed != devices:
-    raise ValueError(f"--mesh={spec}: the axes multiply to {fixed} devices, but the topology has "
-                     f"{devices}; make them multiply to {devices}, or give one axis -1 (the rest).")
-  if free:
-    axes[free[0]] = devices // fixed
-  return axes
-
-
-def make_mesh(devices: list, axes: dict[str, int]) -> Mesh:
-  """A mesh of `devices` with these axes (on a TPU slice, laid out along its torus)."""
-  from jax.experimental import mesh_utils
-  grid = mesh_utils.create_device_mesh(tuple(axes.values()), devices=devices)
-  return Mesh(grid, tuple(axes))
-
-
-def data_parallel(mesh: Mesh, program: steps.Program) -> tuple[tuple, tuple]:
-  """(in_shardings, out_shardings) of a program, one per argument and output, by role: the state
-  and the random key replicated, a batch split along its first axis over
-  every mesh axis (what the trainers do today: realm_jax/train/loop.py), an index's rows over
-  "data"."""
-  replicated = NamedSharding(mesh, P())
-  split = NamedSharding(mesh, P(mesh.axis_names))
-  rows = NamedSharding(mesh, P("data"))  # ExactSearcher shards an index over "data" only
-  by_role = {"state": replicated, "replicated": replicated, "batch": split, "rows": rows}
-  outs = tuple(by_role[r] for r in program.out_roles)
-  return tuple(by_role[r] for r in program.roles), outs if len(outs) > 1 else outs[0]
+DATA_PARALLEL = logical({})  # every rule unset: the state replicated, the batch split
 
 
 def with_shardings(args: tuple, shardings: tuple) -> tuple:
@@ -103,16 +82,16 @@ def with_shardings(args: tuple, shardings: tuple) -> tuple:
   return tuple(one(a, s) for a, s in zip(args, shardings))
 
 
-def lower(program: steps.Program, mesh: Mesh, shardings: Callable = data_parallel):
+def lower(program: steps.Program, mesh: Mesh, shardings: Callable = DATA_PARALLEL):
   """The program lowered for `mesh` from abstract arguments (jax.stages.Lowered)."""
   ins, outs = shardings(mesh, program)
   return jax.jit(program.fn, in_shardings=ins, out_shardings=outs,
                  donate_argnums=program.donate).lower(*with_shardings(program.args, ins))
 
 
-def one_device_mesh(axes: tuple[str, ...]) -> Mesh:
-  """A mesh of this process's first CPU device with these axis names (each of size 1)."""
-  return Mesh(np.array(jax.devices("cpu")[:1]).reshape((1,) * len(axes)), axes)
+def one_device_mesh() -> Mesh:
+  """A mesh of this process's first CPU device with the mesh axes (each of size 1)."""
+  return sharding.make_mesh(jax.devices("cpu")[:1], {})
 
 
 def program_flops(program: steps.Program, mesh: Mesh) -> float:
@@ -125,10 +104,10 @@ def program_flops(program: steps.Program, mesh: Mesh) -> float:
   return _cost(lowered.cost_analysis()).get("flops", float("nan"))
 
 
-def model_flops(trainer: str, config, axes: tuple[str, ...], index_rows: int = 0) -> dict:
+def model_flops(trainer: str, config, index_rows: int = 0) -> dict:
   """{program: FLOPs of one call, all devices together}: each of the trainer's programs built
   without layer recomputation and counted on a one-device CPU mesh (`program_flops`)."""
-  one = one_device_mesh(axes)
+  one = one_device_mesh()
   plain = steps.PROGRAMS[trainer](steps.without_remat(config, trainer), one, index_rows)
   return {name: program_flops(p, one) for name, p in plain.items()}
 
@@ -171,7 +150,7 @@ def out_of_memory(error: Exception | str) -> dict | None:
 
 def compile_program(program: steps.Program, mesh: Mesh, chip: topologies.Chip | None,
                     model_flops_total: float = float("nan"),
-                    shardings: Callable = data_parallel) -> dict:
+                    shardings: Callable = DATA_PARALLEL) -> dict:
   """One program compiled for `mesh`: the compiler's memory per device (against the chip's HBM),
   FLOPs, bytes accessed, optimal_seconds and collectives, with the MFU that the program's model
   FLOPs (`model_flops_total`, all devices together: `model_flops`) imply."""
@@ -225,26 +204,33 @@ def compile_program(program: steps.Program, mesh: Mesh, chip: topologies.Chip | 
   return out
 
 
-def compile_for(config, trainer: str, topology: str, mesh: str = "data=-1", *,
-                index_rows: int = 0, config_name: str = "",
-                shardings: Callable = data_parallel) -> dict:
+def compile_for(config, trainer: str, topology: str, mesh: str = "", *,
+                index_rows: int = 0, config_name: str = "") -> dict:
   """Every program of `trainer` (steps.PROGRAMS) for `config`, compiled for the slice
-  `topology` with a mesh of axes `mesh`; the report as JSON-ready dict (see format_report).
-  Raises ValueError before anything is built for an unknown topology, a mesh that does not
-  divide it, a batch the devices do not divide, or a missing libtpu."""
+  `topology` with a mesh of axes `mesh` ("": config.mesh), the state split by config's
+  sharding_rules; the report as JSON-ready dict (see format_report). Raises ValueError before
+  anything is built for an unknown topology, a mesh that does not divide it, an unknown rule, a
+  batch the mesh does not divide, or a missing libtpu."""
   if trainer not in steps.PROGRAMS:
     raise ValueError(f"no compile_for programs for the {trainer!r} trainer: use one of "
                      f"{tuple(steps.PROGRAMS)}.")
   topo = topologies.parse(topology)
-  axes = mesh_axes(mesh, topo.num_devices)
-  if config.batch_size % topo.num_devices:
-    raise ValueError(f"--config.batch_size={config.batch_size} is not divisible by the "
-                     f"{topo.num_devices} devices of {topology}: the batch is split over every "
-                     "device; pick a multiple.")
+  flag = "--mesh" if mesh else "--config.mesh"
+  if mesh:  # the run this compiles (its memory estimate too) is laid out on this mesh
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.mesh = mesh
+  axes = sharding.mesh_axes(mesh or config.get("mesh", sharding.DEFAULT_MESH), topo.num_devices,
+                            flag)
+  shardings = logical(sharding.config_rules(config))
+  parts = axes["data"] * axes["fsdp"]
+  if config.batch_size % parts:
+    raise ValueError(f"--config.batch_size={config.batch_size} is not divisible by the {parts} "
+                     f"parts the batch is split into on {topology} (data x fsdp of {flag}); "
+                     "pick a multiple.")
   devices = topologies.devices(topo)  # libtpu checked here, before any model is built
-  grid = make_mesh(devices, axes)
+  grid = sharding.make_mesh(devices, axes)
   programs = steps.PROGRAMS[trainer](config, grid, index_rows)
-  flops = model_flops(trainer, config, tuple(axes), index_rows)
+  flops = model_flops(trainer, config, index_rows)
   chip = topo.chip
   report = {
       "note": NOTE if chip else CPU_NOTE, "date": time.strftime("%Y-%m-%d"), "config": config_name,

@@ -5,8 +5,8 @@ shapes their input pipelines give. What experiments/compile_for.py compiles for 
     programs = PROGRAMS["retro"](config, mesh)   # {"retro": Program, "baseline": Program}
     aot.lower(programs["retro"], mesh)            # jitted with shardings by role, lowered
 
-A Program's arguments carry a role each, which a shardings function (aot.data_parallel today)
-maps to a sharding: "state" (a TrainState: parameters and optimizer state), "batch" (split along
+A Program's arguments carry a role each, which a shardings function (aot.logical: the training
+loop's layout) maps to a sharding: "state" (a TrainState: parameters and optimizer state), "batch" (split along
 its first axis), "replicated" (the step's random key), "rows" (an index's rows, split along its
 first axis). The mesh matters only to programs that name its axes (the index search).
 """

@@ -10,6 +10,9 @@ Variants (`--config=realm_jax/configs/dpr.py:<variant>`):
                 python experiments/dpr.py --flagfile=experiments/flags/dpr_wiki_vital.flags
               The export (<workdir>/export) feeds build_index.py (--config.weights), fine-tuning
               (--config.retrieval.weights) and evaluate.py (--retrievers=dpr=<export>).
+  mixture     wiki_vital's towers and sizes on the training part of fine-tuning's mixture of four
+              datasets (configs/finetune.py:mixture, the same splits), more steps:
+                python experiments/dpr.py --flagfile=experiments/flags/dpr_mixture.flags
   tiny        200 articles, random 2-layer towers, a few steps: for tests (seconds).
   paper       DPR's settings: BERT-base towers ([CLS]: here REALM's projected [CLS]), batch 128,
               lr 1e-5, 40 epochs' worth of steps, passages of 256 word pieces.
@@ -60,11 +63,17 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
   c.checkpoint_every = 50
   c.keep_checkpoints = 2
   c.max_bad_steps = 10
+  # How the devices are used (realm_jax/sharding.py): "data=-1" = data parallelism (the state
+  # copied on every device); e.g. "data=2,fsdp=2,tensor=2" splits the parameters and optimizer
+  # state over fsdp and tensor by their logical axes, mapped by sharding_rules ("" = defaults:
+  # embed=fsdp,vocab=tensor,heads=tensor,mlp=tensor).
+  c.mesh = "data=-1"
+  c.sharding_rules = ""
   c.profile_start = 10            # profile_steps > 0: a trace of steps profile_start.. in tb/,
   c.profile_steps = 0             # and the time per XLA op in the log (train/profile.py)
   c.export_dir = ""               # default: <workdir>/export
 
-  if arg == "wiki_vital":
+  if arg in ("wiki_vital", "mixture"):
     # Sized for 2 CPU cores: a step embeds 2B passages and B questions forward and backward
     # through two 6-layer towers; passages are cut to 128 word pieces for training (the index
     # embeds 256), 16 questions a step, ~1.8 epochs of the ~870 mined examples.
@@ -72,6 +81,12 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
     c.passage_length = 128
     c.num_steps = 100
     c.warmup_steps = 15
+    if arg == "mixture":
+      c.data = finetune.get_config("mixture").data
+      c.num_steps = 1000
+      c.warmup_steps = 100
+      c.eval_every = 200
+      c.checkpoint_every = 100
   elif arg == "tiny":
     c.init = "random"
     c.model = ml_collections.ConfigDict(dict(
@@ -112,5 +127,5 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
     c.checkpoint_every = 1000
     c.distributed = True
   else:
-    raise ValueError(f"Unknown dpr config {arg!r}: use wiki_vital, tiny or paper.")
+    raise ValueError(f"Unknown dpr config {arg!r}: use wiki_vital, mixture, tiny or paper.")
   return c

@@ -76,6 +76,12 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
   c.checkpoint_every = 100
   c.keep_checkpoints = 1          # the newest (best/ keeps the best model apart)
   c.max_bad_steps = 10
+  # How the devices are used (realm_jax/sharding.py): "data=-1" = data parallelism (the state
+  # copied on every device); e.g. "data=2,fsdp=2,tensor=2" splits the parameters and optimizer
+  # state over fsdp and tensor by their logical axes, mapped by sharding_rules ("" = defaults:
+  # embed=fsdp,vocab=tensor,heads=tensor,mlp=tensor).
+  c.mesh = "data=-1"
+  c.sharding_rules = ""
   c.profile_start = 10            # profile_steps > 0: a trace of steps profile_start.. in tb/,
   c.profile_steps = 0             # and the time per XLA op in the log (train/profile.py)
   c.ks = (1, 5, 20)

@@ -146,7 +146,7 @@ class QaTrainer(loop.TrainLoop):
   def __init__(self, config, workdir: str):
     check_counts(config)
     super().__init__(config, workdir)
-    pieces = loop.microbatch_pieces(config, "reader_microbatch", jax.device_count())
+    pieces = loop.microbatch_pieces(config, "reader_microbatch", self.batch_shards)
     if config.reader_blocks > config.beam:
       raise ValueError(f"--config.reader_blocks={config.reader_blocks} is more than "
                        f"--config.beam={config.beam}: the read blocks are the beam's first ones.")

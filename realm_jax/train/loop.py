@@ -1,9 +1,11 @@
 """The one training loop of realm_jax: pre-training, ICT and open-QA fine-tuning each subclass
 `TrainLoop` and supply only what is their own.
 
-    TrainLoop.__init__      mesh over every device, batch split along "data" (cheap, writes nothing)
+    TrainLoop.__init__      mesh of config.mesh over every device (realm_jax/sharding.py), batch split
+                            along "data" and "fsdp" (cheap, writes nothing)
     subclass __init__       its checks, data, models, parameters; then `start(params, tx, step)`:
-                            the replicated state, the donated jitted step, checkpoints, metrics
+                            the state split as the parameters' logical axes say, the donated
+                            jitted step, checkpoints, metrics
     run()                   resume -> [evaluate at step 0] -> steps -> log / evaluate / checkpoint
                             -> finish (export, keep the best ...)
 
@@ -47,7 +49,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from realm_jax import distributed, workdir_lock
+from realm_jax import distributed, sharding, workdir_lock
 from realm_jax.host_memory import release_freed_memory
 from realm_jax.io_utils import as_path, is_remote, read_json, write_json
 from realm_jax.checkpoints import training as checkpoints
@@ -102,6 +104,7 @@ def microbatch_pieces(config, key: str, devices: int) -> int:
 def train(trainer: Callable[[Any, str], "TrainLoop"], config, workdir: str):
   """`trainer(config, workdir).run()` holding the workdir's lock (one run per workdir, taken
   before anything is written there), after `jax.distributed` start-up when config.distributed."""
+  sharding.check_config(config)
   if config.get("distributed", False):
     distributed.initialize()
   with workdir_lock.hold(workdir):
@@ -161,40 +164,63 @@ class TrainLoop:
   data_iterator = None                   # a checkpointable iterator, saved with the state
 
   def __init__(self, config, workdir: str):
-    """Data parallelism over every device of every host; checks only, writes nothing."""
-    if config.batch_size % jax.device_count():
+    """The mesh of config.mesh over every device of every host (data parallelism by default);
+    checks only, writes nothing."""
+    self.mesh = sharding.config_mesh(config)
+    self.rules = sharding.config_rules(config)
+    self.batch_shards = sharding.batch_shards(self.mesh)
+    if config.batch_size % self.batch_shards:
       raise ValueError(f"--config.batch_size={config.batch_size} is not divisible by the "
-                       f"{jax.device_count()} devices: pick a multiple.")
+                       f"{self.batch_shards} parts the batch is split into (--config.mesh="
+                       f"{config.get('mesh', sharding.DEFAULT_MESH)}: data x fsdp): pick a "
+                       "multiple.")
     if config.get("profile_steps", 0) and is_remote(workdir):
       raise ValueError(f"--config.profile_steps={config.profile_steps} writes its trace into the "
                        f"work directory, and {workdir} is not local: profile a run in a local "
                        "--workdir (a few steps show where the time goes).")
     self.config, self.workdir = config, workdir
-    self.mesh = Mesh(np.array(jax.devices()), ("data",))
     self.replicated = NamedSharding(self.mesh, P())
-    self.data_sharding = NamedSharding(self.mesh, P("data"))
+    # An index's rows are split over every device, whatever config.mesh (retrieval/exact.py).
+    self.index_mesh = Mesh(self.mesh.devices.reshape(-1), ("data",))
+    self.data_sharding = sharding.batch_sharding(self.mesh)
     self.host_batch = config.batch_size // jax.process_count()
     self.rng = jax.random.key(config.seed + 1)
     self.bad_steps = 0
 
+  def param_shardings(self, params):
+    """Each parameter's sharding on this run's mesh, by its logical axes and the config's rules
+    (replicated with the default mesh)."""
+    return sharding.param_shardings(params, self.mesh, self.rules)
+
+  def init_params(self, init: Callable, *args):
+    """`init(*args)` (random parameters) jitted to create each array already split over the
+    mesh: no device ever holds the whole of a split parameter."""
+    abstract = jax.eval_shape(init, *args)
+    return jax.jit(init, out_shardings=self.param_shardings(abstract))(*args)
+
   def start(self, params, tx: optax.GradientTransformation, step: Callable) -> None:
-    """The replicated train state, the jitted `step(state, batch, rng) -> (state, outputs)` with
-    the state donated, the checkpoint manager and the metrics writer. Subclasses call it last in
-    their constructor, after every check: it creates `workdir/checkpoints`."""
-    self.state = jax.jit(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx),
-                         out_shardings=self.replicated)(params)
-    self.step_fn = jax.jit(step, in_shardings=(self.replicated, self.data_sharding,
+    """The train state split over the mesh as the parameters' logical axes say, the jitted
+    `step(state, batch, rng) -> (state, outputs)` with the state donated, the checkpoint
+    manager and the metrics writer. Subclasses call it last in their constructor, after every
+    check: it creates `workdir/checkpoints`. `params`: host arrays, or arrays on the devices."""
+    shardings = self.param_shardings(params)
+    params = jax.device_put(params, shardings)
+    create = lambda p: TrainState.create(apply_fn=None, params=p, tx=tx)
+    state_shardings = sharding.state_shardings(jax.eval_shape(create, params), params, shardings,
+                                               self.mesh)
+    self.state = jax.jit(create, out_shardings=state_shardings)(params)
+    self.step_fn = jax.jit(step, in_shardings=(state_shardings, self.data_sharding,
                                                self.replicated),
-                           out_shardings=(self.replicated, self.replicated), donate_argnums=0)
+                           out_shardings=(state_shardings, self.replicated), donate_argnums=0)
     self.manager = checkpoints.checkpoint_manager(
         os.path.join(self.workdir, "checkpoints"), self.config.keep_checkpoints,
         data=self.data_iterator is not None)
     self.metrics = MetricsWriter(self.workdir)
 
   def jit_eval(self, fn: Callable) -> Callable:
-    """`fn(params, batch) -> outputs` jitted like the step, nothing donated."""
-    return jax.jit(fn, in_shardings=(self.replicated, self.data_sharding),
-                   out_shardings=self.replicated)
+    """`fn(params, batch) -> outputs` jitted like the step (the parameters as the state holds
+    them, the batch split), outputs replicated, nothing donated."""
+    return jax.jit(fn, out_shardings=self.replicated)
 
   def put(self, host_batch: dict) -> dict:
     """This host's numpy batch -> global arrays split along the batch over every device."""

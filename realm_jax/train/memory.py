@@ -138,9 +138,12 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None) ->
   frozen decoder has none), and the activations of its sequences, neighbour tokens and logits; the
   chunk index lives on the host (not counted). `model`: the run's RetroConfig (default: built
   from config.model, or from config.init's pre-trained decoder)."""
+  from realm_jax import sharding
   from realm_jax.checkpoints import decoder
   from realm_jax.models.retro import RetroConfig, RetroModel, cca_layers
   c, db = config.model, config.db
+  axes = sharding.mesh_axes(config.get("mesh", sharding.DEFAULT_MESH), devices, "--config.mesh")
+  rules = sharding.config_rules(config)
   length, m, k = db.chunk_length * db.seq_chunks, db.chunk_length, c.num_neighbours
   if model is None:
     fields = dict(vocab_size=vocab_size, num_layers=c.num_layers, hidden_size=c.hidden_size,
@@ -157,11 +160,15 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None) ->
   neighbours = jax.ShapeDtypeStruct((1, db.seq_chunks, k, 2 * m), jax.numpy.int32)
   shapes = jax.eval_shape(lambda t, n: RetroModel(mc).init(jax.random.key(0), t, n), tokens,
                           neighbours)
-  p = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
-  trained = sum(math.prod(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(shapes)
-                if not (config.freeze_decoder and decoder.is_decoder_param(path)))
+  p_all = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+  # Per device: the parameters (and the trained ones' gradients and moments) as the mesh splits
+  # them (realm_jax/sharding.py; all of them with data parallelism).
+  p = sharding.elements_per_device(shapes, axes, rules)
+  trained = sharding.elements_per_device(
+      shapes, axes, rules,
+      keep=lambda path: not (config.freeze_decoder and decoder.is_decoder_param(path)))
   vocab_size = mc.vocab_size
-  b = -(-config.batch_size // devices)
+  b = -(-config.batch_size // (axes["data"] * axes["fsdp"]))
   act = 2 if c.dtype == "bfloat16" else 4
 
   def layers(n_tokens, width, heads, seq, count):
@@ -174,9 +181,10 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None) ->
                  + layers(b * length * 2 * k, mc.encoder_width, mc.num_heads, 2 * m,
                           c.encoder_layers)
                  + 2 * b * length * vocab_size * 4)   # float32 logits and their gradient
+  activations /= axes["tensor"]  # heads, feed-forward width and vocabulary split over "tensor"
   parts = {"parameters": 4 * p, "gradients": 4 * trained, "optimizer state": 8 * trained,
            "update buffers": 4 * trained, "activations": activations}
-  return {"parts": parts, "total": sum(parts.values()), "params": {"decoder": p},
+  return {"parts": parts, "total": sum(parts.values()), "params": {"decoder": p_all},
           "devices": devices, "examples_per_device": b, "sequence": length}
 
 
@@ -184,8 +192,8 @@ def format_retro_estimate(est: dict, capacity_gib: float = 0.0, title: str = "")
   """`format_estimate` of a RETRO run's estimate (`retro_estimate`)."""
   head = (f"  {est['devices']} devices, {est['examples_per_device']} sequences of "
           f"{est['sequence']} tokens each; {est['params']['decoder'] / 1e6:.1f}M parameters")
-  advice = ("set config.model.remat or lower the batch per device; parameters and optimizer "
-            "state are replicated on every device (data parallelism only)")
+  advice = ("set config.model.remat, lower the batch per device, or split the parameters and "
+            "optimizer state over devices (config.mesh with fsdp and tensor axes)")
   return _table(est, head, capacity_gib, title, advice)
 
 

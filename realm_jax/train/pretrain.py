@@ -54,7 +54,7 @@ class Trainer(loop.TrainLoop):
     if config.index.refresh not in REFRESH_MODES:
       raise ValueError(f"--config.index.refresh={config.index.refresh!r}: use one of {REFRESH_MODES}.")
     super().__init__(config, workdir)
-    pieces = loop.microbatch_pieces(config, "microbatch", jax.device_count())
+    pieces = loop.microbatch_pieces(config, "microbatch", self.batch_shards)
     if pieces > 1 and config.chunk_tokens and config.dropout:
       raise ValueError(f"--config.microbatch={config.microbatch} with --config.chunk_tokens="
                        f"{config.chunk_tokens}: set --config.chunk_tokens=0 (the pieces keep each "
@@ -82,8 +82,8 @@ class Trainer(loop.TrainLoop):
         method="embed_queries"))
     self.data_iterator = self._batches("train", config.seed)
     self.index_root = os.path.join(workdir, "index")
-    # The index is sharded over every device of every host, like the batch.
-    self.index_options = dict(index_options(config.index), mesh=self.mesh)
+    # The index is sharded over every device of every host, whatever config.mesh.
+    self.index_options = dict(index_options(config.index), mesh=self.index_mesh)
     self.embedder = DocumentEmbedder(self.models, self.corpus, tok, config.doc_length,
                                      config.index.embed_batch_size)
     self.memory_estimate = memory.estimate(config, jax.device_count(), len(self.corpus),

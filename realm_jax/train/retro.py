@@ -26,7 +26,7 @@ import os
 import jax
 import numpy as np
 
-from realm_jax import config_checks, distributed, workdir_lock
+from realm_jax import config_checks, distributed, sharding, workdir_lock
 from realm_jax.checkpoints import decoder, retro_export
 from realm_jax.data.retro_batches import retro_batches
 from realm_jax.models.retro import RetroModel
@@ -49,6 +49,7 @@ def database_dir(config, workdir: str) -> str:
 def check_settings(config, workdir: str) -> None:
   """Refuses settings no run can use, naming the flag, before the database or any compiling."""
   config_checks.workdir(workdir)
+  sharding.check_config(config)
   config_checks.at_least(config, {
       **loop.LOOP_MINIMUMS, "learning_rate": 0, "eval_sequences": 1, "eval_batch_size": 1,
       "model.num_layers": 1,
@@ -139,8 +140,8 @@ class RetroTrainer(loop.TrainLoop):
 
   def _initial_params(self):
     c = self.config
-    params = jax.jit(functools.partial(init_params, self.module, self.db.seq_chunks,
-                                       self.retrieval))(jax.random.key(c.seed))
+    params = self.init_params(functools.partial(init_params, self.module, self.db.seq_chunks,
+                                                self.retrieval), jax.random.key(c.seed))
     if c.init != "random":
       params = decoder.retrofit(params, decoder.load_decoder(c.init, flag="--config.init"),
                                 flag="--config.init")
@@ -202,6 +203,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   check_settings(config, workdir)
   if config.distributed:  # before the database's embedding, the first JAX work (loop.train's
     distributed.initialize()  # own call then finds it done)
+  sharding.config_mesh(config)  # a mesh the devices cannot make: refused before the database
   with workdir_lock.hold(workdir):  # one writer of the database and the report
     db = build_database(config.db, database_dir(config, workdir))
     for name in config.models:
