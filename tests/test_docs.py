@@ -29,7 +29,7 @@ _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _HASH = re.compile(r"\b[0-9a-f]{7,40}\b")
 _SCRIPT = re.compile(r"\b((?:experiments|benchmarks)/[\w./-]*?\.py)\b")
 _FLAGFILE = re.compile(r"\b(experiments/flags/[\w.-]+\.flags)\b")
-_CONFIG = re.compile(r"--config=(realm_jax/configs/[\w]+\.py)(?::([\w]+))?")
+_CONFIG = re.compile(r"--config=(realm_jax/configs/[\w]+\.py)(?::(\w+(?:\.\w+)*))?")
 
 
 def _rel(path: Path) -> str:
