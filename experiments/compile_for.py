@@ -57,6 +57,11 @@ def main(argv):
   if _OUT.value:
     write_json(_OUT.value, report)
     print(f"Written to {_OUT.value}")
+  over = [n for n, p in report["programs"].items() if p["memory"].get("fits") is False]
+  if over:  # (tpu/launch.sh starts no worker then)
+    cli.fail(f"--config={name} does not fit {_TOPOLOGY.value}'s memory per device ("
+             f"{', '.join(over)}, above): split the parameters with --config.mesh (fsdp, tensor), "
+             "set --config.remat, or lower --config.batch_size.")
 
 
 if __name__ == "__main__":

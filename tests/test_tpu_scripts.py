@@ -166,8 +166,16 @@ def test_launch_starts_pretraining_on_every_worker():
   workdir = "gs://my-bucket/realm_jax/realm"
   paths = "--config.corpus.paths=('gs://my-bucket/corpus',)"
   odd = "--config.note=it's $HOME"  # reaches pretrain.py as it is, through two shells
-  (ssh,), notes = dry_run("launch.sh", "--name=realm", f"--workdir={workdir}/", "--",
-                          "--config.num_steps=1000", paths, odd)
+  (compile_ssh, ssh), notes = dry_run("launch.sh", "--name=realm", f"--workdir={workdir}/", "--",
+                                      "--config.num_steps=1000", paths, odd)
+  # First worker 0 compiles the same config, with the same flags, for the variant's slice.
+  assert compile_ssh[:8] == SSH + ["realm", "--zone=us-central2-b", "--worker=0"]
+  compiling = remote_command(compile_ssh)
+  assert compiling.startswith("set -eu; ")  # a failed compile stops the script (set -e)
+  argv = shlex.split(compiling.split(".venv/bin/python ", 1)[1])
+  assert argv == ["experiments/compile_for.py",
+                  "--config=realm_jax/configs/pretrain.py:paper_v4_64", "--topology=v4-64",
+                  "--out=$HOME/realm_jax_logs/compile.json", "--config.num_steps=1000", paths, odd]
   assert ssh[:8] == SSH + ["realm", "--zone=us-central2-b", "--worker=all"]
   command = remote_command(ssh)
   assert "cd $HOME/realm_jax" in command
@@ -179,10 +187,19 @@ def test_launch_starts_pretraining_on_every_worker():
       f"--workdir={workdir}", "--config.distributed=True", "--config.num_steps=1000", paths, odd]
   assert "tpu/logs.sh --name=realm --follow" in notes
 
-  (ssh,), _ = dry_run("launch.sh", "--name=realm", f"--workdir={workdir}",
-                      "--variant=paper_v5e_256")
+  (compile_ssh, ssh), _ = dry_run("launch.sh", "--name=realm", f"--workdir={workdir}",
+                                  "--variant=paper_v5e_256")
   config = python_argv(remote_command(ssh))[1]
   assert config == "--config=realm_jax/configs/pretrain.py:paper_v5e_256"
+  assert "--topology=v5litepod-256" in remote_command(compile_ssh)
+  (ssh,), _ = dry_run("launch.sh", "--name=realm", f"--workdir={workdir}", "--variant=demo",
+                      "--no-compile")
+  assert "compile_for" not in remote_command(ssh)
+  (compile_ssh, _), _ = dry_run("launch.sh", "--name=realm", f"--workdir={workdir}",
+                                "--variant=demo", "--topology=v4-8")
+  assert "--topology=v4-8" in remote_command(compile_ssh)
+  assert "names no slice: give --topology" in fails("launch.sh", "--name=realm",
+                                                     f"--workdir={workdir}", "--variant=demo")
   (ssh,), _ = dry_run("launch.sh", "--name=realm", "--stop")
   assert ssh[:8] == SSH + ["realm", "--zone=us-central2-b", "--worker=all"]
   assert "kill $(cat $HOME/realm_jax_logs/pretrain.pid)" in remote_command(ssh)
@@ -282,7 +299,7 @@ def test_data_prints_next_commands_that_paste_with_spaces(tmp_path):
   assert argv == ["tpu/launch.sh", "--name=realm", f"--workdir={workdir}", "--",
                   "--config.corpus.source=jsonl",
                   f"--config.corpus.paths=('{workdir}/corpus/my docs.jsonl',)"]
-  (ssh,), _ = dry_run(argv[0].removeprefix("tpu/"), *argv[1:])
+  (_, ssh), _ = dry_run(argv[0].removeprefix("tpu/"), *argv[1:])
   assert python_argv(remote_command(ssh))[2:] == [
       f"--workdir={workdir}", "--config.distributed=True", *argv[4:]]
 
