@@ -3,7 +3,8 @@
     est = estimate(config, devices=32, index_rows=13_353_718)
     print(format_estimate(est))
 
-Per device (the state is replicated, the batch and the index are sharded over every device):
+Per device (the state is replicated with the default mesh, or split as config.mesh splits it:
+realm_jax/sharding.py; the batch over "data" x "fsdp", the index over every device):
 
   parameters        4 P bytes (float32; P = retriever + encoder parameters, counted exactly by
                     abstract initialisation of the models, nothing allocated)
@@ -81,10 +82,16 @@ def model_config(config) -> RealmConfig:
   return sized_model_config(config, base)
 
 
-def count_params(config, mc: RealmConfig) -> dict[str, int]:
-  """Exact parameter counts {"retriever", "encoder"} of the run's models, from shapes only."""
+def count_params(config, mc: RealmConfig, per_device: dict | None = None) -> dict[str, int]:
+  """Exact parameter counts {"retriever", "encoder"} of the run's models, from shapes only;
+  with `per_device` ({mesh axis: size}), those one device holds (realm_jax/sharding.py)."""
+  from realm_jax import sharding
   from realm_jax.train.init import make_models, param_shapes
   shapes = param_shapes(make_models(config, mc), mc)
+  if per_device:
+    rules = sharding.config_rules(config)
+    return {name: sharding.elements_per_device(tree, per_device, rules)
+            for name, tree in shapes.items()}
   return {name: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
           for name, tree in shapes.items()}
 
@@ -98,10 +105,13 @@ def _bert_activations(tokens: int, length: int, mc: RealmConfig, act_bytes: int)
 
 def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = None) -> dict:
   """Bytes per device of a run of `config` over `devices` devices and an index of `index_rows`."""
+  from realm_jax import sharding
   mc = mc or model_config(config)
   counts = count_params(config, mc)
-  p = sum(counts.values())
-  b = -(-config.batch_size // devices)  # examples per device
+  axes = sharding.mesh_axes(config.get("mesh", sharding.DEFAULT_MESH), devices, "--config.mesh")
+  # Per device: the parameters as config.mesh splits them (all of them with data parallelism).
+  p = sum(count_params(config, mc, per_device=axes).values())
+  b = -(-config.batch_size // (axes["data"] * axes["fsdp"]))  # examples per device
   micro = config.get("microbatch", 0) or b  # examples alive at once (the step's pieces)
   k, act = config.num_candidates, 2 if config.dtype == "bfloat16" else 4
   from realm_jax.train.init import make_models, retriever_model_config
@@ -110,7 +120,7 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
       _bert_activations(micro * config.query_length, config.query_length, rc, act)
       + _bert_activations(micro * k * config.doc_length, config.doc_length, rc, act)
       + _bert_activations(micro * k * config.joint_length, config.joint_length, mc, act)
-      + 2 * micro * k * config.max_masked * mc.vocab_size * 4)
+      + 2 * micro * k * config.max_masked * mc.vocab_size * 4) / axes["tensor"]
   shard_rows = -(-index_rows // devices)
   # Mean pooling (MiniLM, or config.pooling="mean" of random models) embeds to the hidden size.
   mean = make_models(config, mc).retriever.pooling == "mean"
