@@ -11,7 +11,8 @@
 Reads the best checkpoint of --workdir (experiments/finetune.py), answers the --split part of the
 config's questions with each system (realm_jax/eval/report.py: fine-tuned, untuned dense retriever +
 same reader, BM25 + same reader, and each of --retrievers + same reader) and writes <workdir>/eval/<split>/predictions-<system>.jsonl and
-results.json, then prints EM and recall@k as a markdown table.
+results.json, then prints EM and recall@k as a markdown table. A mixture's questions are evaluated
+per dataset: a table and a folder <workdir>/eval/<split>/<dataset>/ each.
 """
 
 import os
@@ -20,6 +21,7 @@ from absl import flags, logging
 
 from realm_jax import cli
 from realm_jax.checkpoints import resolve
+from realm_jax.data.mixture import first_of_each
 from realm_jax.data.qa import load_questions
 from realm_jax.eval import report
 from realm_jax.systems import open_qa
@@ -32,7 +34,7 @@ _SYSTEMS = flags.DEFINE_list("systems", list(report.SYSTEMS), "Systems to evalua
 _RECALL_ONLY = flags.DEFINE_list("recall_only", [], "Systems evaluated for retrieval only (not read): faster.")
 _RETRIEVERS = flags.DEFINE_list("retrievers", [], "More systems: NAME=WEIGHTS, another retriever (an ICT or DPR export, any weights build_index.py takes) with an index of the same corpus (built once in <workdir>/retrievers/NAME), read by the same fine-tuned reader.")
 _PAIRED_WITH = flags.DEFINE_string("paired_with", "", "One of the systems: every other one's difference from it in EM and recall@k, question by question, with 95% paired bootstrap intervals (a second table; vs_NAME in results.json).")
-_LIMIT = flags.DEFINE_integer("limit", 0, "Only the first N questions (0 = all).")
+_LIMIT = flags.DEFINE_integer("limit", 0, "Only the first N questions of each dataset (0 = all).")
 _DATASET = flags.DEFINE_string("dataset", "", "Instead of the config's split: all questions of NAME:SPLIT, e.g. curated_trec:test, web_questions:test, nq_open:dev.")
 _DATASET_DIR = flags.DEFINE_string("dataset_dir", "", "Local folder holding --dataset's file (\"\" = download with TFDS).")
 flags.mark_flags_as_required(["workdir"])
@@ -72,14 +74,18 @@ def main(argv):
       raise ValueError(f"The {part} part of config.data is empty (test_percent="
                        f"{config.data.test_percent}): evaluate --split=dev, or change the "
                        "config.")
-  questions = questions[:_LIMIT.value or None]
+  questions = first_of_each(questions, _LIMIT.value)
   setup = open_qa.QaSetup(config, workdir, build_missing=False)
   ks = tuple(config.ks)
-  results = report.evaluate_systems(setup, questions, _SYSTEMS.value, ks, out_dir,
-                                    recall_only=_RECALL_ONLY.value, retrievers=retrievers,
-                                    paired_with=_PAIRED_WITH.value)
-  print(f"{part}: {len(questions)} questions; predictions and results.json in {out_dir}")
-  print(report.format_table(results, ks))
+  results = report.evaluate_by_dataset(setup, questions, _SYSTEMS.value, ks, out_dir,
+                                       recall_only=_RECALL_ONLY.value, retrievers=retrievers,
+                                       paired_with=_PAIRED_WITH.value)
+  for name, table in results.items():
+    label, where = (f"{part} {name}", os.path.join(out_dir, name)) if len(results) > 1 else (
+        part, out_dir)
+    count = next(iter(table.values()))["count"]
+    print(f"{label}: {count} questions; predictions and results.json in {where}")
+    print(report.format_table(table, ks))
 
 
 if __name__ == "__main__":

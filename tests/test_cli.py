@@ -202,6 +202,10 @@ def _newer_cases(files):
       ("ablations-table-only-without-a-run", "ablations",
        ["--config=realm_jax/configs/ablations.py:tiny", "--workdir={W}", "--table_only"],
        ["--workdir={W}", "--table_only"]),
+      ("finetune-mixture-negative-weight", "finetune",
+       ["--config=realm_jax/configs/finetune.py:mixture", "--workdir={W}",
+        "--config.data.mixture.trivia_qa.weight=-1"],
+       ["--config.data.mixture.trivia_qa.weight=-1.0", "share"]),
   ]
 
 

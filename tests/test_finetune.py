@@ -63,7 +63,7 @@ def test_loop_logs_selects_and_checkpoints(run):
   chex.assert_trees_all_equal_shapes(params, setup.init_params)
   # The run kept its position in the questions and its best result for resuming.
   latest = json.loads(open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")).read())
-  assert latest["best"]["step"] == meta["step"] and latest["position"]["cursor"] > 0
+  assert latest["best"]["step"] == meta["step"] and latest["position"]["draws"] > 0
 
 
 @pytest.mark.slow
@@ -73,7 +73,7 @@ def test_rerun_resumes_and_has_nothing_left_to_do(run):
   trainer = finetune.QaTrainer(tiny_config(), workdir)
   best = trainer.run()
   assert best["step"] == meta["step"] and best["dev_recall"] == meta["recall_5"]
-  assert int(trainer.state.step) == 4 and trainer.position["cursor"] > 0
+  assert int(trainer.state.step) == 4 and trainer.position["draws"] > 0
 
 
 @pytest.mark.slow

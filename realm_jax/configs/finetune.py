@@ -10,6 +10,14 @@ Variants (`--config=realm_jax/configs/finetune.py:<variant>`):
                 python experiments/evaluate.py --flagfile=experiments/flags/finetune_wiki_vital.flags
               held-out test EM 2.4 and recall@5 20.1 (MiniLM untuned: recall@5 13.3;
               docs/open_qa.md)
+  mixture     wiki_vital's models and memory settings, trained on four datasets at once
+              (realm_jax/data/mixture.py): NQ-Open (wiki_vital's split, its held-out test part
+              unchanged, + NQ-Open train), TriviaQA (a hash-split 20% held out), WebQuestions and
+              CuratedTREC (their test splits held out), drawn 53 / 27 / 13 / 7% (each dataset's
+              share of the training questions); dev and test reported per dataset
+              (docs/open_qa.md):
+                python experiments/finetune.py --flagfile=experiments/flags/finetune_mixture.flags
+                python experiments/evaluate.py --flagfile=experiments/flags/finetune_mixture.flags
   tiny        40 articles, a 1-layer reader, a few steps: tests and the notebook (seconds).
   paper       ORQA/REALM: beam 5000, read 5, lr 1e-5, question tower and index from a REALM
               checkpoint (config.retrieval.weights: HF REALM scorer; projected [CLS], score scale
@@ -98,6 +106,27 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
     c.eval_every = 40
     c.eval_limit = 200
     c.checkpoint_every = 40
+  elif arg == "mixture":
+    # Sized for 2 CPU cores (a few hours): 2,000 retriever-only steps (~3 epochs of the training
+    # questions that have an answer in the corpus), then 400 joint steps; memory as wiki_vital.
+    c.retriever_steps = 2000
+    c.num_steps = 2400
+    c.reader_microbatch = 1
+    c.warmup_steps = 100
+    c.reader_length = 192
+    c.eval_every = 200
+    c.eval_limit = 100              # dev questions of each dataset
+    c.checkpoint_every = 100
+    nq = c.data
+    c.data = ml_collections.ConfigDict(dict(
+        # One entry per dataset (realm_jax/data/mixture.py): weight = share of the draws.
+        mixture=ml_collections.ConfigDict({
+            "nq_open": _dataset(2.0, splits=nq.splits, test_percent=nq.test_percent,
+                                train_splits=("train",)),
+            "trivia_qa": _dataset(1.0, splits=("train",), test_percent=20.0),
+            "web_questions": _dataset(0.5, splits=("train",), test_splits=("test",)),
+            "curated_trec": _dataset(0.25, splits=("train",), test_splits=("test",))}),
+        data_dir=nq.data_dir, dev_percent=nq.dev_percent, seed=nq.seed, limit=0))
   elif arg == "tiny":
     c.retrieval = build_index.get_config("tiny")
     c.reader_layers = 1
@@ -135,5 +164,13 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
     c.eval_every = 1000
     c.checkpoint_every = 1000
   else:
-    raise ValueError(f"Unknown finetune config {arg!r}: wiki_vital, tiny, paper.")
+    raise ValueError(f"Unknown finetune config {arg!r}: wiki_vital, mixture, tiny, paper.")
   return c
+
+
+def _dataset(weight: float, *, splits=(), test_percent: float = 0.0, test_splits=(),
+             train_splits=()) -> ml_collections.ConfigDict:
+  """One dataset of a mixture (realm_jax/data/mixture.py); local_dir "" = download with TFDS."""
+  return ml_collections.ConfigDict(dict(
+      weight=weight, splits=tuple(splits), test_percent=test_percent,
+      test_splits=tuple(test_splits), train_splits=tuple(train_splits), local_dir=""))

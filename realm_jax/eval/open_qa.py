@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from realm_jax.data.mixture import by_dataset
 from realm_jax.data.qa_batches import answers_of
 from realm_jax.retrieval.recall import recall_at_k
 from realm_jax.systems.open_qa import OpenQa
@@ -81,3 +82,17 @@ def evaluate_open_qa(qa: OpenQa, questions: Sequence[dict], *, ks: Sequence[int]
   n = max(len(questions), 1)
   return {"em": 100.0 * correct / n, "recall": recall_at_k(hits, ks), "count": len(questions),
           "seconds": time.perf_counter() - start, "first_hit": first_hit, "predictions": preds}
+
+
+def per_dataset(result: dict, questions: Sequence[dict]) -> dict[str, dict]:
+  """{dataset: {"em", "recall": {k: %}, "count"}} of an `evaluate_open_qa` result on `questions`,
+  grouped by their "dataset" (in order of first appearance); em None when not read."""
+  first_hit = np.asarray(result["first_hit"])
+  out = {}
+  for name, rows in by_dataset(questions).items():
+    hit = first_hit[rows]
+    em = None if result["em"] is None else 100.0 * float(
+        np.mean([result["predictions"][i]["correct"] for i in rows]))
+    out[name] = {"em": em, "recall": {k: 100.0 * float(np.mean((hit > 0) & (hit <= k)))
+                                      for k in result["recall"]}, "count": len(rows)}
+  return out

@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from realm_jax import io_utils
+from realm_jax.data.mixture import by_dataset
 from realm_jax.eval.open_qa import evaluate_open_qa
 from realm_jax.eval.stats import paired_bootstrap
 from realm_jax.retrieval.bm25 import BM25Index, corpus_bm25
@@ -129,6 +130,23 @@ def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: 
   if out_dir:
     io_utils.write_json(os.path.join(out_dir, "results.json"), results)
   return results
+
+
+def evaluate_by_dataset(setup, questions, systems=SYSTEMS, ks=(1, 5, 20),
+                        out_dir: str | None = None, params=None, **kwargs) -> dict[str, dict]:
+  """{dataset: `evaluate_systems` on its questions} for questions of one dataset or of several
+  (their "dataset"), each dataset's predictions and results.json in out_dir/<dataset> when there
+  are several, in out_dir itself when there is one."""
+  groups = by_dataset(questions)
+  if params is None:
+    params, meta = setup.best_params()
+    logging.info("Fine-tuned model: %s", meta)
+  out = {}
+  for name, rows in groups.items():
+    where = out_dir and (os.path.join(out_dir, name) if len(groups) > 1 else out_dir)
+    out[name] = evaluate_systems(setup, [questions[i] for i in rows], systems, ks, where,
+                                 params=params, **kwargs)
+  return out
 
 
 def check_paired_with(paired_with: str, systems) -> None:

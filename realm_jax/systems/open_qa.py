@@ -29,7 +29,7 @@ import numpy as np
 
 from realm_jax.checkpoints import overlay, resolve
 from realm_jax.checkpoints.export import pretraining_exports
-from realm_jax.data.qa import load_questions, split_by_hash
+from realm_jax.data import mixture
 from realm_jax.data.qa_batches import QaBatcher, ReaderLayout
 from realm_jax.io_utils import as_path, read_json
 from realm_jax.models import RealmReader
@@ -45,21 +45,10 @@ CONTEXT_CHARS = 120
 
 # ------------------------------------------------------------------------------------ questions
 def split_questions(config) -> dict[str, list[dict]]:
-  """{"train", "dev", "test"} questions of config.data: the splits pooled, then split by a hash of
-  the normalised question (test first, then dev out of the rest)."""
-  d = config.data
-  questions = []
-  for split in d.splits:
-    questions += load_questions(d.name, split, local_dir=d.local_dir or None,
-                                data_dir=d.data_dir or None)
-  if d.limit:
-    questions = questions[:d.limit]
-  rest, test = split_by_hash(questions, d.test_percent, f"{d.seed}/test")
-  train, dev = split_by_hash(rest, d.dev_percent, f"{d.seed}/dev")
-  if not train or not dev:
-    raise ValueError(f"--config.data gives {len(train)} training and {len(dev)} dev questions: use "
-                     "more questions (config.data.splits / limit) or other percentages.")
-  return {"train": train, "dev": dev, "test": test}
+  """{"train", "dev", "test"} questions of config.data, one dataset or a mixture, each question
+  with its "dataset" (realm_jax/data/mixture.py): a dataset's splits pooled, then split by a hash
+  of the normalised question (test first, then dev out of the rest)."""
+  return mixture.split_questions(config.data)
 
 
 # --------------------------------------------------------------------------------------- models

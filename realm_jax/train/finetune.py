@@ -1,6 +1,7 @@
 """Open-QA fine-tuning, end to end: `finetune(config, workdir)`.
 
-    questions (hash split: train / dev / test)
+    questions of one dataset or a weighted mixture (hash split: train / dev / test; draws by
+    weight, realm_jax/data/mixture.py)
       -> question tower embeds B questions -> frozen index: a beam of Z blocks each
       -> has-answer masks from the answer strings, reader inputs + gold spans of the first R
       -> jitted step (batch sharded over every device): retriever marginal NLL + reader loss
@@ -31,7 +32,8 @@ import orbax.checkpoint as ocp
 
 from realm_jax import config_checks
 from realm_jax.data.corpus import CorpusConfig
-from realm_jax.eval.open_qa import check_ks, evaluate_open_qa
+from realm_jax.data.mixture import MixtureOrder, by_dataset, first_of_each, mixture_weights
+from realm_jax.eval.open_qa import check_ks, evaluate_open_qa, per_dataset
 from realm_jax.io_utils import as_path, read_json
 from realm_jax.retrieval import build
 from realm_jax.retrieval.index import index_options
@@ -171,24 +173,17 @@ class QaTrainer(loop.TrainLoop):
         {"params": p}, q["input_ids"], q["attention_mask"], q["token_type_ids"]))
     self.best_manager = checkpoints.checkpoint_manager(os.path.join(workdir, BEST), keep=1,
                                                        asynchronous=False, data=False)
-    self.position = {"epoch": 0, "cursor": 0}
+    self.order = MixtureOrder([q["dataset"] for q in self.splits["train"]],
+                              mixture_weights(config.data), config.seed)
+    self.position = {"draws": 0}      # training questions drawn (self.order)
     self.best = dict(NO_BEST)         # the record of the model in best/
     self.seen = 0                     # training questions examined (kept or passed over)
     self._window = [0, 0]             # questions trained, examined since the last log
-    self._epoch_order = (-1, None)
     self.start(self.setup.init_params, tx,
                functools.partial(qa_train_step, models=self.setup.models, dropout=config.dropout,
                                  pieces=pieces))
 
   # --------------------------------------------------------------------------------- data
-  def _order(self, epoch: int) -> np.ndarray:
-    """The training questions' order in `epoch` (computed once per epoch)."""
-    if self._epoch_order[0] != epoch:
-      order = np.random.default_rng([self.config.seed, epoch]).permutation(
-          len(self.splits["train"]))
-      self._epoch_order = (epoch, order)
-    return self._epoch_order[1]
-
   def _beams(self, questions: list[dict]) -> np.ndarray:
     """[n, Z] corpus rows of the beams of n <= B questions (padded to B: one compiled program)."""
     b = self.config.batch_size
@@ -204,12 +199,11 @@ class QaTrainer(loop.TrainLoop):
     c, train = self.config, self.splits["train"]
     picked, beams, examined, since_kept = [], [], 0, 0
     while len(picked) < c.batch_size:
-      order = self._order(self.position["epoch"])
-      cursor = self.position["cursor"]
-      chunk = [int(i) for i in order[cursor:cursor + c.batch_size - len(picked)]]
+      draws = self.position["draws"]
+      chunk = [self.order[draws + j] for j in range(c.batch_size - len(picked))]
       rows = self._beams([train[i] for i in chunk])
       for i, r in zip(chunk, rows):
-        self.position["cursor"] += 1
+        self.position["draws"] += 1
         examined += 1
         if not c.skip_unanswerable or self.setup.batcher.any_answer_in(train[i], r):
           picked.append(train[i])
@@ -217,8 +211,6 @@ class QaTrainer(loop.TrainLoop):
           since_kept = 0
         else:
           since_kept += 1
-      if self.position["cursor"] >= len(train):
-        self.position = {"epoch": self.position["epoch"] + 1, "cursor": 0}
       if since_kept > len(train):
         raise ValueError(
             f"No training question has an answer in its beam of {c.beam} blocks: the corpus does "
@@ -237,14 +229,20 @@ class QaTrainer(loop.TrainLoop):
 
   # ----------------------------------------------------------------------------- evaluate
   def evaluate(self) -> dict:
-    """EM (once the reader trains) and recall@k of the first config.eval_limit dev questions."""
-    questions = self.splits["dev"][:self.config.eval_limit or None]
+    """EM (once the reader trains) and recall@k of the first config.eval_limit dev questions of
+    each dataset, over all of them and (a mixture) per dataset: "<dataset>/em", ...; the best
+    model is chosen on all of them."""
+    questions = first_of_each(self.splits["dev"], self.config.eval_limit)
     result = evaluate_open_qa(self.setup.system(self.state.params), questions,
                               ks=tuple(self.config.ks), read=not self.retriever_only)
     out = {"seconds": result["seconds"]}
-    if result["em"] is not None:
-      out["em"] = result["em"]
-    out.update({f"recall_{k}": v for k, v in result["recall"].items()})
+    parts = {"": {"em": result["em"], "recall": result["recall"]}}
+    if len(by_dataset(questions)) > 1:
+      parts.update({f"{name}/": r for name, r in per_dataset(result, questions).items()})
+    for prefix, r in parts.items():
+      if r["em"] is not None:
+        out[f"{prefix}em"] = r["em"]
+      out.update({f"{prefix}recall_{k}": v for k, v in r["recall"].items()})
     return out
 
   # ----------------------------------------------------------------------------- the loop
@@ -273,6 +271,9 @@ class QaTrainer(loop.TrainLoop):
     """
     if meta is not None:
       self.position = meta["position"]
+      if "draws" not in self.position:  # a checkpoint of before the mixtures: epoch and cursor
+        self.position = {"draws": self.position["epoch"] * len(self.splits["train"])
+                                  + self.position["cursor"]}
       self.seen = meta.get("seen", 0)
     self.best = best_record(self.best_manager, self.state.params) or dict(NO_BEST)
 
