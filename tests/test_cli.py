@@ -206,6 +206,12 @@ def _newer_cases(files):
        ["--config=realm_jax/configs/finetune.py:mixture", "--workdir={W}",
         "--config.data.mixture.trivia_qa.weight=-1"],
        ["--config.data.mixture.trivia_qa.weight=-1.0", "share"]),
+      ("absent_answers-workdir-is-a-file", "absent_answers",
+       ["--config=" + CONFIGS["finetune"], f"--workdir={files['file']}"],
+       ["--workdir", files["file"]]),
+      ("absent_answers-missing-questions", "absent_answers",
+       ["--config=" + CONFIGS["finetune"], "--workdir={W}", "--config.data.local_dir=/nowhere/nq"],
+       ["/nowhere/nq", "does not exist"]),
   ]
 
 

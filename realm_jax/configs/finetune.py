@@ -14,8 +14,8 @@ Variants (`--config=realm_jax/configs/finetune.py:<variant>`):
               (realm_jax/data/mixture.py): NQ-Open (wiki_vital's split, its held-out test part
               unchanged, + NQ-Open train), TriviaQA (a hash-split 20% held out), WebQuestions and
               CuratedTREC (their test splits held out), drawn 53 / 27 / 13 / 7% (each dataset's
-              share of the training questions); dev and test reported per dataset
-              (docs/open_qa.md):
+              share of the training questions); dev and test reported per dataset; training
+              questions whose answer is nowhere in the corpus dropped (docs/open_qa.md):
                 python experiments/finetune.py --flagfile=experiments/flags/finetune_mixture.flags
                 python experiments/evaluate.py --flagfile=experiments/flags/finetune_mixture.flags
   tiny        40 articles, a 1-layer reader, a few steps: tests and the notebook (seconds).
@@ -126,7 +126,10 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
             "trivia_qa": _dataset(1.0, splits=("train",), test_percent=20.0),
             "web_questions": _dataset(0.5, splits=("train",), test_splits=("test",)),
             "curated_trec": _dataset(0.25, splits=("train",), test_splits=("test",))}),
-        data_dir=nq.data_dir, dev_percent=nq.dev_percent, seed=nq.seed, limit=0))
+        data_dir=nq.data_dir, dev_percent=nq.dev_percent, seed=nq.seed, limit=0,
+        # Training questions whose answer is nowhere in the corpus train nothing: dropped
+        # (counted in the log; experiments/absent_answers.py). Dev and test keep them.
+        drop_absent=True))
   elif arg == "tiny":
     c.retrieval = build_index.get_config("tiny")
     c.reader_layers = 1

@@ -16,7 +16,8 @@ is a mixture: `data.mixture` has one entry per dataset (named by the dataset),
     train_splits  splits that only train: nothing of them is held out
     local_dir     the folder holding its files ("" = download with TFDS)
 beside data.{data_dir, dev_percent, seed, limit}, shared (limit: the first N questions of each
-dataset's `splits`). The hash is split_by_hash's with the same seed strings for every dataset, so
+dataset's `splits`), and data.drop_absent (fine-tuning drops the training questions whose answer
+is nowhere in the corpus: realm_jax/data/answerable.py). The hash is split_by_hash's with the same seed strings for every dataset, so
 a dataset's held-out questions are the same alone or in a mixture. A training question that
 normalises like one of its dataset's dev or test questions is dropped (logged).
 """

@@ -142,7 +142,7 @@ class QaBatcher:
     self._continuation = tokenizer.continuation
     self._block = functools.lru_cache(maxsize=65_536)(self._load_block)
     self._normalized = functools.lru_cache(maxsize=65_536)(
-        lambda row: normalize_answer(self._answer_text(row)))
+        lambda row: normalize_answer(self.answer_text(row)))
 
   # ------------------------------------------------------------------------------- blocks
   def _load_block(self, row: int) -> dict:
@@ -163,14 +163,14 @@ class QaBatcher:
       raise ValueError(f"The question {question!r} has no word pieces.")
     return ids[:self.question_length - 2]
 
-  def _answer_text(self, row: int) -> str:
+  def answer_text(self, row: int) -> str:
     """The text the reader sees of a block, where its answers are looked for."""
     b = self.block(row)
     return b["text"] if self.reader_title else b["body"]
 
   def has_answer(self, row: int, answers: Sequence[str], answer_type: str) -> bool:
     if answer_type == "regex":
-      return regex_match(self._answer_text(row), answers)
+      return regex_match(self.answer_text(row), answers)
     return has_answer("", answers, normalized_text=self._normalized(int(row)))
 
   # ----------------------------------------------------------------------- reader inputs

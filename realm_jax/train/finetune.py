@@ -31,6 +31,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from realm_jax import config_checks
+from realm_jax.data.answerable import corpus_finder
 from realm_jax.data.corpus import CorpusConfig
 from realm_jax.data.mixture import MixtureOrder, by_dataset, first_of_each, mixture_weights
 from realm_jax.eval.open_qa import check_ks, evaluate_open_qa, per_dataset
@@ -173,6 +174,8 @@ class QaTrainer(loop.TrainLoop):
         {"params": p}, q["input_ids"], q["attention_mask"], q["token_type_ids"]))
     self.best_manager = checkpoints.checkpoint_manager(os.path.join(workdir, BEST), keep=1,
                                                        asynchronous=False, data=False)
+    if config.data.get("drop_absent", False):
+      self.splits["train"] = self._without_absent(self.splits["train"])
     self.order = MixtureOrder([q["dataset"] for q in self.splits["train"]],
                               mixture_weights(config.data), config.seed)
     self.position = {"draws": 0}      # training questions drawn (self.order)
@@ -184,6 +187,20 @@ class QaTrainer(loop.TrainLoop):
                                  pieces=pieces))
 
   # --------------------------------------------------------------------------------- data
+  def _without_absent(self, train: list[dict]) -> list[dict]:
+    """The training questions whose answer is somewhere in the corpus: the others never have an
+    answer in their beam and train nothing. How many of each dataset go is logged."""
+    absent = corpus_finder(self.setup.batcher).absent(train)
+    for name, rows in by_dataset(train).items():
+      gone = sum(absent[i] for i in rows)
+      logging.info("%s: %d of %d training questions have their answer nowhere in the corpus: "
+                   "not trained on.", name, gone, len(rows))
+    kept = [q for q, a in zip(train, absent) if not a]
+    if not kept:
+      raise ValueError("No training question has its answer anywhere in the corpus: check "
+                       "config.retrieval.corpus and config.data.")
+    return kept
+
   def _beams(self, questions: list[dict]) -> np.ndarray:
     """[n, Z] corpus rows of the beams of n <= B questions (padded to B: one compiled program)."""
     b = self.config.batch_size
