@@ -249,24 +249,24 @@ def test_no_batch_puts_a_questions_positive_or_answer_among_anothers_negatives()
   from realm_jax.data.dpr import example_batches
   examples, in_block = _crafted()
   it = iter(example_batches(examples, 4, in_block, seed=0))
-  batches = [next(it) for _ in range(120)]  # ~34 epochs
+  batches = [next(it) for _ in range(60)]  # ~17 epochs
   assert all(len(b) == 4 and not _bad_pairs(b, examples) for b in batches)
   counts = np.bincount(np.concatenate(batches), minlength=len(examples))
   assert counts.min() > 0.6 * counts.mean()  # clashing examples wait, and still train
   # The same shuffled order cut into consecutive batches would have broken the rule.
   order = iter(example_batches(examples, 1, lambda *a: False, seed=0))
-  flat = [next(order)[0] for _ in range(480)]
-  assert any(_bad_pairs(flat[k:k + 4], examples) for k in range(0, 480, 4))
+  flat = [next(order)[0] for _ in range(240)]
+  assert any(_bad_pairs(flat[k:k + 4], examples) for k in range(0, 240, 4))
 
   # Deterministic by seed; the state (the order's and the waiting examples') resumes exactly.
   again = iter(example_batches(examples, 4, in_block, seed=0))
-  assert [next(again) for _ in range(50)] == batches[:50]
+  assert [next(again) for _ in range(25)] == batches[:25]
   state = json.loads(json.dumps(again.get_state()))
   resumed = iter(example_batches(examples, 4, in_block, seed=0))
   resumed.set_state(state)
-  assert [next(resumed) for _ in range(70)] == batches[50:]
+  assert [next(resumed) for _ in range(35)] == batches[25:]
   other = iter(example_batches(examples, 4, in_block, seed=1))
-  assert [next(other) for _ in range(50)] != batches[:50]
+  assert [next(other) for _ in range(25)] != batches[:25]
   # One pass in order: the batches that fill; the examples left waiting are dropped.
   once = list(example_batches(examples, 4, in_block, seed=0, shuffle=False, num_epochs=1))
   assert once and all(not _bad_pairs(b, examples) for b in once)
