@@ -276,7 +276,8 @@ def test_examples_that_all_clash_are_refused():
   from realm_jax.data.dpr import example_batches
   examples, in_block = _crafted()
   same = [dict(e, positive=0) for e in examples]  # one positive block for every question
-  with pytest.raises(ValueError, match="clash too often to fill a batch of 2: none of the 14 fits beside the 1 taken"):
+  with pytest.raises(ValueError, match="clash too often to fill a batch of 2: none of the 14 fits "
+                                       "beside the 1 taken"):
     next(iter(example_batches(same, 2, in_block, seed=0)))
 
 

@@ -27,12 +27,15 @@ def _write(folder, name, questions):
 def _mixture(tmp_path, **weights):
   """A mixture config over written files: web_questions (train + test), curated_trec (train +
   test), nq_open (dev hash-split, train only trains)."""
-  _write(tmp_path / "wq", "train.jsonl", [(f"who is web person {i}?", f"P{i}") for i in range(300)])
+  _write(tmp_path / "wq", "train.jsonl", [(f"who is web person {i}?", f"P{i}")
+                                          for i in range(300)])
   _write(tmp_path / "wq", "test.jsonl", [(f"who is web test person {i}?", "X") for i in range(40)]
          + [("who is web person 7?", "P7")])  # also a training question: dropped from train
-  _write(tmp_path / "trec", "train.jsonl", [(f"when was trec event {i}?", f"{i}") for i in range(200)])
+  _write(tmp_path / "trec", "train.jsonl", [(f"when was trec event {i}?", f"{i}")
+                                            for i in range(200)])
   _write(tmp_path / "trec", "test.jsonl", [(f"when was trec test {i}?", "1") for i in range(30)])
-  _write(tmp_path / "nq", "NQ-open.dev.jsonl", [(f"where is nq place {i}", "p") for i in range(400)])
+  _write(tmp_path / "nq", "NQ-open.dev.jsonl", [(f"where is nq place {i}", "p")
+                                               for i in range(400)])
   _write(tmp_path / "nq", "NQ-open.train-sample.jsonl",
          [(f"what is nq thing {i}", "t") for i in range(500)])
   c = get_config("mixture")
@@ -63,6 +66,11 @@ def test_each_dataset_is_split_and_tagged(tmp_path):
   assert all(q["question"].startswith("where is") for q in parts["test"] + parts["dev"]
              if q["dataset"] == "nq_open")
   assert split_questions(c.data) == parts  # deterministic
+  # A dataset may only train: all of its train split, none of it held out.
+  c.data.mixture.curated_trec.update(splits=(), train_splits=("train",))
+  only = split_questions(c.data)
+  assert sum(q["dataset"] == "curated_trec" for q in only["train"]) == 200
+  assert not any(q["dataset"] == "curated_trec" for q in only["dev"])
   # The first N dev questions of each dataset.
   firsts = first_of_each(parts["dev"], 5)
   assert [q["dataset"] for q in firsts] == sorted([q["dataset"] for q in firsts], key=[
@@ -80,13 +88,17 @@ def test_nq_open_held_out_part_is_the_same_alone_or_mixed():
   mixed.data.mixture.nq_open.local_dir = folder
   a, m = split_questions(alone.data), split_questions(mixed.data)
   assert len(a["test"]) == 1079 and m["test"] == a["test"] and m["dev"] == a["dev"]
-  assert len(m["train"]) == len(a["train"]) + 8757 - 4  # 4 sample questions normalise like held-out ones
+  # The train sample trains, but for 4 questions that normalise like held-out ones.
+  assert len(m["train"]) == len(a["train"]) + 8757 - 4
 
 
-@pytest.mark.parametrize("weights", [{"a": 1.0, "b": 1.0, "c": 2.0}, {"a": 0.7, "b": 0.25, "c": 0.05}])
+@pytest.mark.parametrize("weights", [{"a": 1.0, "b": 1.0, "c": 2.0},
+                                     {"a": 0.7, "b": 0.25, "c": 0.05}])
 def test_draws_follow_the_weights(weights):
   sizes = {"a": 50, "b": 700, "c": 3}
-  labels = [name for name in ("b", "a", "c", "a") for _ in range(sizes[name] // (2 if name == "a" else 1))]
+  # a's questions in two runs, apart.
+  labels = [name for name in ("b", "a", "c", "a")
+            for _ in range(sizes[name] // (2 if name == "a" else 1))]
   total = sum(weights.values())
   order = MixtureOrder(labels, {k: w / total for k, w in weights.items()}, seed=3)
   n = 30_000
@@ -119,7 +131,8 @@ def test_draws_are_deterministic_by_seed_and_resume_anywhere():
 
 def test_bad_mixtures_are_refused(tmp_path):
   c = _mixture(tmp_path, web_questions=-1.0)
-  with pytest.raises(ValueError, match=r"mixture\.web_questions\.weight=-1\.0: a weight is a share"):
+  with pytest.raises(ValueError, match=r"mixture\.web_questions\.weight=-1\.0: a weight is a "
+                                       "share"):
     dataset_settings(c.data)
   c = _mixture(tmp_path, web_questions=0.0, curated_trec=0.0, nq_open=0.0)
   with pytest.raises(ValueError, match="every weight is 0"):

@@ -73,8 +73,8 @@ class PassageAnswers:
     b = self.corpus[row]
     encoded = self.tokenizer.encode_batch_with_offsets([b["title"], b["body"]])
     parts = []
-    for text, ids, n, (got, offsets) in zip((b["title"], b["body"]),
-                                            (b["title_token_ids"], b["token_ids"]), counts, encoded):
+    fields = zip((b["title"], b["body"]), (b["title_token_ids"], b["token_ids"]), counts, encoded)
+    for text, ids, n, (got, offsets) in fields:
       if n <= 0:
         continue
       if list(got) == [int(x) for x in ids]:

@@ -17,9 +17,10 @@ is a mixture: `data.mixture` has one entry per dataset (named by the dataset),
     local_dir     the folder holding its files ("" = download with TFDS)
 beside data.{data_dir, dev_percent, seed, limit}, shared (limit: the first N questions of each
 dataset's `splits`), and data.drop_absent (fine-tuning drops the training questions whose answer
-is nowhere in the corpus: realm_jax/data/answerable.py). The hash is split_by_hash's with the same seed strings for every dataset, so
-a dataset's held-out questions are the same alone or in a mixture. A training question that
-normalises like one of its dataset's dev or test questions is dropped (logged).
+is nowhere in the corpus: realm_jax/data/answerable.py). The hash is split_by_hash's with the
+same seed strings for every dataset, so a dataset's held-out questions are the same alone or in a
+mixture. A training question that normalises like one of its dataset's dev or test questions is
+dropped (logged).
 """
 
 from __future__ import annotations
@@ -90,12 +91,14 @@ def split_questions(data) -> dict[str, list[dict]]:
     if len(kept) < len(train):
       logging.warning("%s: %d training questions dropped: they normalise like dev or test ones.",
                       name, len(train) - len(kept))
-    if not kept or not dev:
+    if (d["weight"] > 0 and not kept) or (d["splits"] and not dev):
       raise ValueError(
           f"--config.data gives {name} {len(kept)} training and {len(dev)} dev questions: use more "
           "questions (its splits / limit) or other percentages.")
     for part, qs in (("train", kept), ("dev", dev), ("test", test)):
       parts[part] += [{**q, "dataset": name} for q in qs]
+  if not parts["dev"]:
+    raise ValueError("--config.data gives no dev question: give a dataset `splits` to split.")
   return parts
 
 

@@ -8,8 +8,8 @@ plain lists.
 
 Each dataset is a TFDS builder (`NqOpen`, `TriviaQa`, `WebQuestions`, `CuratedTrec`; array_record
 files, no TensorFlow needed) with the features `question` (text) and `answers` (sequence of text),
-rows in the order of the source file. The answer type belongs to the dataset (`Builder.ANSWER_TYPE`, also in
-every dict of `load_questions`), not to a row:
+rows in the order of the source file. The answer type belongs to the dataset
+(`Builder.ANSWER_TYPE`, also in every dict of `load_questions`), not to a row:
   * "text": answers are compared after `text.answers.normalize_answer` (`exact_match`,
     `has_answer`);
   * "regex" (CuratedTREC): answers are regular expressions, matched case-insensitively anywhere in

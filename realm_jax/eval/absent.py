@@ -43,7 +43,8 @@ def format_table(counts: dict[str, dict]) -> str:
   parts = list(dict.fromkeys(p for c in counts.values() for p in c))
   lines = ["| dataset | " + " | ".join(f"{p}: absent / questions" for p in parts) + " |",
            "|" + "---|" * (1 + len(parts))]
-  cell = lambda n: f"{n['absent']:,} / {n['questions']:,} ({100 * n['absent'] / n['questions']:.1f}%)"
+  cell = lambda n: (f"{n['absent']:,} / {n['questions']:,} "
+                    f"({100 * n['absent'] / n['questions']:.1f}%)")
   for name, c in counts.items():
     lines.append(f"| {name} | " + " | ".join(cell(c[p]) if c.get(p, {}).get("questions") else "-"
                                               for p in parts) + " |")
