@@ -20,7 +20,8 @@ from realm_jax.configs import retro as retro_configs
 
 needs_libtpu = pytest.mark.skipif(
     not topology.libtpu_installed(),
-    reason='libtpu is not installed (pip install -e ".[tpu-compile]"): no TPU compiler')
+    reason='libtpu is not installed (pip install -e ".[test]" or ".[tpu-compile]"): no TPU '
+    'compiler')
 
 
 @pytest.mark.parametrize("name, libtpu_name, chips, devices", [
@@ -247,6 +248,21 @@ def test_tiny_retro_step_compiles_for_a_v5e_slice():
   assert p["collectives"]["all-reduce"]["bytes"] >= 4 * p["params"]
   assert p["optimal_seconds"] > 0 and 0 < p["mfu"] < 1
   assert "TPU compiler's estimates" in report["note"] and report["versions"]["libtpu"]
+  # The project's estimate of the state (parameters and AdamW's moments, replicated) against the
+  # arguments the TPU compiler allots (that state and a small batch): within 20%.
+  held = p["estimate"]["parameters"] + p["estimate"]["optimizer state"]
+  assert 0.8 < held / p["memory"]["arguments"] < 1.2
+
+
+@needs_libtpu
+def test_tiny_retro_compiles_for_a_v5e_slice_split_three_ways():
+  config = _tiny_retro()
+  report = aot.compile_for(config, "retro", "v5e-8", "data=2,fsdp=2,tensor=2")
+  p = report["programs"]["retro"]
+  assert report["sharding"].startswith("logical axes: embed=fsdp")
+  assert p["memory"]["fits"] and p["collectives"]["all-gather"]["count"] > 0
+  held = p["estimate"]["parameters"] + p["estimate"]["optimizer state"]
+  assert 0.8 < held / p["memory"]["arguments"] < 1.2
 
 
 @pytest.mark.slow
