@@ -18,6 +18,7 @@ whatever the mesh (retrieval/exact.py).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -26,10 +27,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from realm_jax.models.partitioning import LOGICAL_AXES, axes_of, path_name
+from realm_jax.models.partitioning import BATCH_AXES, LOGICAL_AXES, axes_of, path_name
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the batch is split over these, copied over "tensor"
+MESH_AXES = ("data", "fsdp", "tensor")  # the batch is split over BATCH_AXES, copied over "tensor"
 DEFAULT_MESH = "data=-1"
 DEFAULT_RULES = "embed=fsdp,vocab=tensor,heads=tensor,mlp=tensor"
 
@@ -179,3 +179,13 @@ def batch_shards(mesh: Mesh) -> int:
   """How many parts a global batch is split into."""
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
+
+
+def traced_on(mesh: Mesh, fn):
+  """`fn` traced with `mesh`'s axes known, so that the models' activation hints
+  (models/partitioning.batch_split) apply; jit it as usual."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+  return wrapped

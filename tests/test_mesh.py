@@ -141,8 +141,8 @@ def retro_step(family: str, freeze: bool, mesh: str):
   states, data, rep = laid_out(mesh, params, tx)
   step = functools.partial(lm_step.train_step, module=module, retrieval=True,
                            freeze_decoder=freeze, dropout=False)
-  fn = jax.jit(step, in_shardings=(states, data, rep), out_shardings=(states, rep),
-               donate_argnums=0)
+  fn = jax.jit(sharding.traced_on(rep.mesh, step), in_shardings=(states, data, rep),
+               out_shardings=(states, rep), donate_argnums=0)  # with the activation hints
   create = jax.jit(lambda key: TrainState.create(apply_fn=None, params=init(key), tx=tx),
                    out_shardings=states)
   return create, fn, data

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import MESH_3D, laid_out, random_inputs, split_arrays
 
+from realm_jax import sharding
 from realm_jax.models import RealmConfig, RealmEmbedder, RealmReader, RealmRetriever
 from realm_jax.models.open_qa import QaModels, qa_beam_logits, qa_params
 from realm_jax.train.init import _init
@@ -116,8 +117,8 @@ def run_steps(mesh, n_steps=2):
   def step(state, batch, rng):
     return qa_train_step(state, batch, rng, models=MODELS, dropout=True)
 
-  fn = jax.jit(step, in_shardings=(states, data, rep), out_shardings=(states, rep),
-               donate_argnums=0)
+  fn = jax.jit(sharding.traced_on(rep.mesh, step), in_shardings=(states, data, rep),
+               out_shardings=(states, rep), donate_argnums=0)  # with the activation hints
   state = jax.device_put(TrainState.create(apply_fn=None, params=make_params(), tx=tx), states)
   losses = []
   for s in range(n_steps):

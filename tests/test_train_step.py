@@ -11,6 +11,7 @@ import optax
 import pytest
 from conftest import MESH_3D, laid_out, perturbed, random_inputs, split_arrays
 
+from realm_jax import sharding
 from realm_jax.models import BertModel, KnowledgeAugEncoder, RealmConfig, RealmRetriever
 from realm_jax.train.init import _init
 from realm_jax.train.optimizer import bert_adamw, bert_schedule, decay_mask
@@ -64,8 +65,8 @@ def compiled_step(mesh: str):
   def step(state, batch, rng):
     return train_step(state, batch, rng, models=models)
 
-  fn = jax.jit(step, in_shardings=(states, data, rep), out_shardings=(states, rep),
-               donate_argnums=0)
+  fn = jax.jit(sharding.traced_on(rep.mesh, step), in_shardings=(states, data, rep),
+               out_shardings=(states, rep), donate_argnums=0)  # with the activation hints
   return models, tx, states, data, fn
 
 

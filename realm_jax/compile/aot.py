@@ -85,7 +85,7 @@ def with_shardings(args: tuple, shardings: tuple) -> tuple:
 def lower(program: steps.Program, mesh: Mesh, shardings: Callable = DATA_PARALLEL):
   """The program lowered for `mesh` from abstract arguments (jax.stages.Lowered)."""
   ins, outs = shardings(mesh, program)
-  return jax.jit(program.fn, in_shardings=ins, out_shardings=outs,
+  return jax.jit(sharding.traced_on(mesh, program.fn), in_shardings=ins, out_shardings=outs,
                  donate_argnums=program.donate).lower(*with_shardings(program.args, ins))
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from realm_jax.models.config import RealmConfig
 from realm_jax.models.dropout import Dropout, Rows
+from realm_jax.models.partitioning import batch_split
 
 Array = jax.Array
 
@@ -141,7 +142,7 @@ class BertEncoder(nn.Module):
     # static_argnums counts `self`: `deterministic` is argument 3 and picks the code path.
     layer = nn.remat(BertLayer, static_argnums=(3,)) if self.config.remat else BertLayer
     for i in range(self.config.num_hidden_layers):
-      x = layer(self.config, name=f"layer_{i}")(x, mask_bias, deterministic, rows)
+      x = batch_split(layer(self.config, name=f"layer_{i}")(x, mask_bias, deterministic, rows))
     return x
 
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from realm_jax.models.llama import GroupedQueryAttention, RMSNorm, SwiGLU
+from realm_jax.models.partitioning import batch_split
 
 Array = jax.Array
 _NEG = -1e9  # masked attention scores: far below any real one, finite in bfloat16 too
@@ -401,13 +402,17 @@ class RetroModel(nn.Module):
     embedded = mask = None
     if neighbours is not None and c.retrieval:
       embedded, mask = wte(in_vocab(neighbours)), neighbours != c.pad_id   # [B, C, K, R, H]
+      embedded = batch_split(embedded)
     allowed = attention_mask(length, segments, c.sliding_window)
     block = nn.remat(DecoderBlock, static_argnums=(8,)) if c.remat else DecoderBlock
     encoded, first = None, min(c.cca_layers, default=0)
+    x = batch_split(x)
     for i in range(c.num_layers):
       x, encoded, hidden = block(c, cca=i + 1 in c.cca_layers, encode=i + 1 == first,
                                  name=f"h_{i}")(x, allowed, positions, segments, embedded, mask,
                                                 encoded, deterministic)
+      x = batch_split(x)  # (the layers' weights are gathered, not the batch: partitioning.py)
+      encoded = None if encoded is None else batch_split(encoded)
     x = _decoder_norm(c, "ln_f")(x).astype(c.compute_dtype)
     if c.tie_embeddings:
       logits = wte.attend(x)

@@ -209,8 +209,8 @@ class TrainLoop:
     state_shardings = sharding.state_shardings(jax.eval_shape(create, params), params, shardings,
                                                self.mesh)
     self.state = jax.jit(create, out_shardings=state_shardings)(params)
-    self.step_fn = jax.jit(step, in_shardings=(state_shardings, self.data_sharding,
-                                               self.replicated),
+    self.step_fn = jax.jit(sharding.traced_on(self.mesh, step),
+                           in_shardings=(state_shardings, self.data_sharding, self.replicated),
                            out_shardings=(state_shardings, self.replicated), donate_argnums=0)
     self.manager = checkpoints.checkpoint_manager(
         os.path.join(self.workdir, "checkpoints"), self.config.keep_checkpoints,
@@ -220,7 +220,7 @@ class TrainLoop:
   def jit_eval(self, fn: Callable) -> Callable:
     """`fn(params, batch) -> outputs` jitted like the step (the parameters as the state holds
     them, the batch split), outputs replicated, nothing donated."""
-    return jax.jit(fn, out_shardings=self.replicated)
+    return jax.jit(sharding.traced_on(self.mesh, fn), out_shardings=self.replicated)
 
   def put(self, host_batch: dict) -> dict:
     """This host's numpy batch -> global arrays split along the batch over every device."""
