@@ -24,6 +24,9 @@ _BATCH = flags.DEFINE_integer("batch_size", 8, "Held-out sequences per call.")
 _LEAKY = flags.DEFINE_bool("heldout_in_database", False, "Also score each RETRO model with the "
                            "paper's Wikitext-103 condition: neighbours searched among the held-out "
                            "chunks too (a chunk may read the rest of its own document).")
+_OTHER = flags.DEFINE_bool("other_neighbours", False, "Also score each RETRO model with every "
+                           "chunk reading another document's neighbours (the control for what "
+                           "the neighbours' content is worth).")
 
 
 def main(argv):
@@ -48,7 +51,8 @@ def main(argv):
   retro_eval.check_out_dir(out)  # before the database opens (it reads all its files to verify them)
   db = RetroDb.open(db_dir)
   report = retro_eval.evaluate_exports(exports, db, out, _BATCH.value,
-                                       heldout_in_database=_LEAKY.value)
+                                       heldout_in_database=_LEAKY.value,
+                                       other=_OTHER.value)
   print(retro_eval.markdown(report))
 
 

@@ -399,6 +399,32 @@ def test_heldout_in_database_neighbours_the_leaky_condition(db):
       np.testing.assert_array_equal(values[q, j], by_loop[split](c))
 
 
+def test_other_neighbours_give_each_chunk_another_documents(db):
+  """The control of retro_eval.py --other_neighbours: the same neighbour rows, moved (a
+  permutation of the chunks that have any), each chunk reading those of a chunk of another
+  held-out document; a chunk without neighbours keeps none."""
+  from realm_jax.eval.retro import other_neighbours
+  own = np.concatenate([b["neighbours"] for b in retro_batches(
+      db, "heldout", batch_size=4, seed=0, shuffle=False, num_epochs=1, num_neighbours=K)])
+  own = own[:db.num_sequences("heldout")]
+  got = other_neighbours(db, K)
+  assert got.shape == own.shape
+  pad = db.tokenizer.pad_id
+  own_rows, got_rows = own.reshape(-1, K, 2 * M), got.reshape(-1, K, 2 * M)
+  docs = np.asarray(db.array("heldout", "docs"))
+  moved = 0
+  for r in range(len(own_rows)):
+    if (own_rows[r] == pad).all():
+      assert (got_rows[r] == pad).all()
+      continue
+    sources = [q for q in range(len(own_rows)) if (own_rows[q] == got_rows[r]).all()]
+    assert sources, r  # one of the records' own rows
+    moved += all(docs[q * M] != docs[r * M] for q in sources)
+  real = sum(not (row == pad).all() for row in own_rows)
+  assert moved == real  # every chunk reads another document's neighbours
+  assert sorted(map(bytes, own_rows)) == sorted(map(bytes, got_rows))  # the same rows, moved
+
+
 def test_keys_embed_the_chunk_text_as_the_build(db, tmp_path):
   tower = db.key_tower()
   assert shares_vocab(db.tokenizer, tower.tokenizer)

@@ -118,8 +118,24 @@ def _per_token_nll(config, params, db, retrieval: bool, batch_size: int, neighbo
     yield batch, np.asarray(fn(params, batch["inputs"], nb, batch["segments"], batch["targets"]))
 
 
+def other_neighbours(db, k: int) -> np.ndarray:
+  """The control for what a RETRO model reads: [S, n, k, 2m] neighbours where every held-out chunk
+  that has neighbours reads those of another chunk, half the held-out stream away (so of another
+  document), and a chunk without any keeps none. Same amount and kind of retrieved text, unrelated
+  content: a model that gains as much from these as from its own neighbours does not use what
+  they say."""
+  own = np.concatenate([b["neighbours"] for b in retro_batches(
+      db, "heldout", batch_size=64, seed=0, shuffle=False, num_epochs=1, num_neighbours=k)])
+  own = own[:db.num_sequences("heldout")]
+  flat = own.reshape(-1, *own.shape[2:])                                   # [S * n, k, 2m]
+  real = np.flatnonzero((flat != db.tokenizer.pad_id).any(axis=(1, 2)))
+  out = flat.copy()
+  out[real] = flat[np.roll(real, len(real) // 2)]
+  return out.reshape(own.shape)
+
+
 def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int = 8,
-                     heldout_in_database: bool = False) -> dict:
+                     heldout_in_database: bool = False, other: bool = False) -> dict:
   """Bits per byte of each exported model over the database's held-out documents (a "retro"
   model also without its neighbours); writes eval.json, eval.md and bpb.png to `out_dir` (one
   that cannot be written fails first).
@@ -127,7 +143,9 @@ def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int 
   heldout_in_database: a retrieval model is also scored (as `<name>_heldout_in_db`) with the
   neighbours of the paper's Wikitext-103 condition, searched among the held-out chunks too
   (`RetroDb.heldout_in_database_neighbours`): a chunk may read the rest of its own document, so
-  that figure measures copying, not held-out modelling."""
+  that figure measures copying, not held-out modelling.
+  other: a retrieval model is also scored (as `<name>_other_neighbours`) with every chunk reading
+  another document's neighbours (`other_neighbours`): what its neighbours' content is worth."""
   check_out_dir(out_dir)
   leaky = None
   if heldout_in_database and any(retro_export.load_config(p).retrieval
@@ -144,12 +162,18 @@ def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int 
     db.check_compatible(meta["tokenizer"], meta["key_fingerprint"],
                         config.chunk_length if config.retrieval else None)
     params = jax.device_put(params)
-    variants = [(name, True, None)]
+    # (label, with neighbours, the neighbours read instead of the records' own, where they are
+    # from: the overlap buckets are computed once per batch and source)
+    variants = [(name, True, None, "own")]
     if config.retrieval:
-      variants.append((f"{name}_no_neighbours", False, None))
+      variants.append((f"{name}_no_neighbours", False, None, "own"))
       if leaky is not None:
-        variants.append((f"{name}_heldout_in_db", True, leaky))
-    for label, retrieval, neighbours in variants:
+        variants.append((f"{name}_heldout_in_db", True, leaky, "heldout_in_db"))
+      if other:
+        variants.append((f"{name}_other_neighbours", True,
+                         other_neighbours(db, config.num_neighbours),
+                         f"other:{config.num_neighbours}"))
+    for label, retrieval, neighbours, source in variants:
       nll_doc = np.zeros(len(docs))
       nll_bucket = np.zeros(len(BUCKETS) + 1)
       bytes_bucket = np.zeros(len(BUCKETS) + 1)
@@ -161,7 +185,7 @@ def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int 
         scored = docs_t >= 0
         np.add.at(nll_doc, docs_t[scored], nll[scored])
         # The same sequences in every pass; buckets by the neighbours read.
-        key = (j, batch["neighbours"].shape[2], neighbours is not None)
+        key = (j, batch["neighbours"].shape[2], source)
         if key not in buckets_of:
           buckets_of[key] = np.stack([overlap_buckets(t, n, db.chunk_length, db.tokenizer.pad_id)
                                       for t, n in zip(batch["targets"], batch["neighbours"])])
