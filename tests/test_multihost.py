@@ -21,14 +21,14 @@ except Exception as e:  # noqa: BLE001
   pytest.skip(f"needs the demo extra: {e}", allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 4
+STEPS = 3  # the index refreshed at step 2, then one step on it
 # The first MiniLM layer rather than the tiny random model: a random BERT embeds every sentence
 # almost alike, so retrieval scores tie to ~1e-7 and the reduction-order noise of another device
 # layout flips which blocks are retrieved; real weights separate them.
 FLAGS = ["--config=realm_jax/configs/pretrain.py:tiny", "--config.init=minilm",
          "--config.num_layers=1", "--config.score_scale=20", f"--config.num_steps={STEPS}",
          f"--config.checkpoint_every={STEPS}", "--config.index.refresh_every=2",
-         "--config.eval_every=2", "--config.learning_rate=1e-4"]
+         f"--config.eval_every={STEPS}", "--config.learning_rate=1e-4"]
 
 
 def _free_port() -> int:
