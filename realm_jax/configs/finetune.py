@@ -138,6 +138,9 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
     c.question_length = 32
     c.reader_length = 96
     c.data.limit = 200
+    # 145 of the 155 training questions have no answer in the 40 blocks: without them a step
+    # looks at ~20 questions for its 8 with an answer in the beam, not ~300 (2.7% of them).
+    c.data.drop_absent = True
     c.batch_size = 8                # divisible by the tests' 8 fake devices
     c.num_steps = 4
     c.warmup_steps = 1
