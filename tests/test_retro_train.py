@@ -509,6 +509,7 @@ def test_retrofit_trains_only_cca_and_the_encoder_of_a_gpt2(tmp_path):
   config = get_config("tiny")
   config.init, config.freeze_decoder = str(ckpt), True
   config.db.tokenizer_file = str(ckpt / "tokenizer.json")
+  config.db.max_docs = 20  # half the tiny database: embedding its chunks' keys is most of the time
   config.models, config.num_steps, config.eval_every = ("retro",), 3, 0
   workdir = str(tmp_path / "work")
   report = train_and_evaluate(config, workdir)
