@@ -183,3 +183,49 @@ def test_bad_shapes_are_refused():
     module.init(jax.random.key(0), np.ones((1, 36), np.int32))
   with pytest.raises(ValueError, match="multiple of the chunk length"):
     module.init(jax.random.key(0), np.ones((1, 10), np.int32), np.ones((1, 2, K, R), np.int32))
+
+
+@pytest.mark.slow  # 300 steps of a tiny model: ~25-50 s
+def test_cca_learns_to_read_what_its_neighbours_say():
+  """A copy check of the whole mechanism (encoder, CCA, alignment): random token sequences whose
+  chunk c's first neighbour holds chunk c+1, the text the next chunk's tokens must predict (the
+  second neighbour is noise). A tiny RETRO trained on them predicts held-out sequences far better
+  with their neighbours than without (random tokens: ln 63 = 4.14 nats without), and no better
+  with another sequence's neighbours: it reads their content."""
+  import optax
+  v, m, n, k, b = 64, 8, 4, 2, 16
+  length = m * n
+  config = RetroConfig(vocab_size=v, num_layers=2, hidden_size=64, num_heads=4, mlp_size=128,
+                       max_length=length, chunk_length=m, cca_layers=(2,), encoder_layers=1,
+                       num_neighbours=k, family="llama", pad_id=v - 1)
+  module = RetroModel(config)
+
+  def data(rng):
+    tokens = rng.integers(0, v - 1, (b, length + 1 + 2 * m)).astype(np.int32)
+    neighbours = rng.integers(0, v - 1, (b, n, k, 2 * m)).astype(np.int32)
+    for c in range(n):
+      neighbours[:, c, 0] = tokens[:, (c + 1) * m:(c + 3) * m]
+    return tokens[:, :length], tokens[:, 1:length + 1], neighbours
+
+  def loss(p, inputs, targets, neighbours):  # the chunks after the first (they read neighbours)
+    return token_nll(module.apply({"params": p}, inputs, neighbours), targets)[:, m:].mean()
+
+  params = module.init(jax.random.key(0), *data(np.random.default_rng(1))[::2])["params"]
+  tx = optax.adam(3e-3)
+
+  @jax.jit
+  def step(p, opt, batch):
+    grads = jax.grad(loss)(p, *batch)
+    updates, opt = tx.update(grads, opt, p)
+    return optax.apply_updates(p, updates), opt
+
+  rng, opt = np.random.default_rng(0), tx.init(params)
+  for _ in range(300):
+    params, opt = step(params, opt, data(rng))
+  inputs, targets, neighbours = data(np.random.default_rng(99))
+  score = jax.jit(loss)
+  own = float(score(params, inputs, targets, neighbours))
+  none = float(score(params, inputs, targets, None))
+  other = float(score(params, inputs, targets, np.roll(neighbours, 1, axis=0)))
+  assert none > 4.0 and other > 4.0
+  assert own < none - 0.5, (own, none, other)
