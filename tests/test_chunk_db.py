@@ -28,8 +28,9 @@ from realm_jax.text.lm_tokenizer import key_inputs, load_lm_tokenizer, shares_vo
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 M, N, K = 16, 4, 2        # chunk length, chunks per sequence, neighbours
 L = M * N
+# Batches of 64 keys, as configs/retro.py:tiny (256 rows on the 8 fake devices: mostly padding).
 SETTINGS = dict(max_docs=48, chunk_length=M, seq_chunks=N, num_neighbours=K, key_length=32,
-                shard_size=128)
+                shard_size=128, key_batch_size=64)
 
 
 def _config(**overrides):
