@@ -49,7 +49,8 @@ def test_minilm_retrieval_finds_the_right_article(articles, tmp_path):
   (tmp_path / "docs.jsonl").write_text("".join(json.dumps(a) + "\n" for a in subset))
   config = get_config("wiki_vital_minilm")
   config.corpus.source, config.corpus.paths = "jsonl", (str(tmp_path / "docs.jsonl"),)
-  config.max_length, config.shard_size = 128, 4
+  # Shards of 4 articles in batches of 8 (1 a device): of 64, a shard's batch was mostly padding.
+  config.max_length, config.shard_size, config.batch_size = 128, 4, 8
   questions = {"who painted the mona lisa": "Mona Lisa",
                "which antibiotic did alexander fleming discover": "Penicillin",
                "what is the largest planet in the solar system": "Jupiter",
