@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 import uuid
 
 from realm_jax import io_utils
@@ -49,10 +50,25 @@ class _ObjectRecordFactory:
     del path  # an object store has no directories to create
 
 
+def _summary_writer_class():
+  """tensorboardX's SummaryWriter, imported without PyTorch. tensorboardX imports torch whenever
+  it is installed (the test and demo extras install it), ~1 s of every run's start, only to accept
+  torch tensors; the values written here are floats. A torch imported already is left alone."""
+  hide = "torch" not in sys.modules
+  if hide:
+    sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX goes without
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    if hide:
+      del sys.modules["torch"]
+  return SummaryWriter
+
+
 def _summary_writer(logdir: str, purge_step: int | None = None):
   """tensorboardX's writer; `purge_step`: TensorBoard hides the events of earlier files from that
   step on (those of a run that stopped after its last checkpoint)."""
-  from tensorboardX import SummaryWriter
+  SummaryWriter = _summary_writer_class()  # noqa: N806 (a class)
   if logdir.startswith("gs://"):
     from tensorboardX import record_writer
     io_utils.as_path(logdir)  # a clear error now if there is no gs:// backend
