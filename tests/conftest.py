@@ -82,14 +82,15 @@ def _waits_for_early_runs(item) -> bool:
 # runs start when its tests first need them.
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 _SHARED_GROUPS = {"test_ask": "tiny_qa", "test_finetune": "tiny_qa", "test_dpr": "tiny_qa"}
-# Each group's seconds with `-n 0`, the runs it starts included (one group at a time, 2 AMD EPYC
-# cores shared with other work, 2026-11-28): test_pretrain ~800, tiny_qa ~500, test_retro_train
-# 274, ..., test_paths 53; the groups not named take less (~40 s and down).
-_HEAVIEST_FIRST = ("test_pretrain", "tiny_qa", "test_retro_train", "test_train_step",
-                   "test_multihost", "test_ict", "test_retro_model", "test_ablations",
-                   "test_pieces", "test_search_demo", "test_knnlm", "test_index", "test_chunk_db",
-                   "test_hf_parity", "test_qa_step", "test_llama_checkpoint", "test_cli",
-                   "test_embed", "test_loop", "test_paths")
+# Each group's CPU seconds with `-n 0`, the runs it starts included (one group at a time, 2 AMD
+# EPYC cores shared with other work, 2026-11-28, docs/notes.md): test_pretrain ~208, tiny_qa ~200,
+# test_retro_train 127, test_multihost 103, ..., test_paths 16; the groups not named take less.
+_HEAVIEST_FIRST = ("test_pretrain", "tiny_qa", "test_retro_train", "test_multihost",
+                   "test_train_step", "test_search_demo", "test_llama_checkpoint",
+                   "test_compile_for", "test_ablations", "test_cli", "test_pieces", "test_ict",
+                   "test_qa_step", "test_knnlm", "test_retro_model", "test_chunk_db", "test_mesh",
+                   "test_build_index", "test_hf_parity", "test_index_scale", "test_index",
+                   "test_lm_tokenizer_gguf", "test_paths")
 
 
 def _group(nodeid: str) -> str:
