@@ -138,16 +138,25 @@ def elements_per_device(params, mesh_axes: dict, rules: dict, keep=None) -> int:
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     if keep is not None and not keep(path):
       continue
-    spec = spec_for(x.shape, axes_of(path_name(path), len(x.shape)), mesh_axes, rules)
+    spec = spec_for(x.shape, _axes_or_none(path_name(path), len(x.shape)), mesh_axes, rules)
     total += math.prod(x.shape) // math.prod(mesh_axes[a] for a in spec if a)
   return total
+
+
+def _axes_or_none(name: str, ndim: int) -> tuple:
+  """The logical axes of a parameter, or (None, ...) (kept whole) for one no rule names: a model
+  outside realm_jax's (the loop's own tests use one) trains replicated."""
+  try:
+    return axes_of(name, ndim)
+  except ValueError:
+    return (None,) * ndim
 
 
 def param_shardings(params, mesh: Mesh, rules: dict):
   """A NamedSharding per array of `params` (arrays or ShapeDtypeStructs), by its logical axes."""
   return jax.tree_util.tree_map_with_path(
       lambda path, x: NamedSharding(mesh, spec_for(
-          x.shape, axes_of(path_name(path), len(x.shape)), mesh, rules)), params)
+          x.shape, _axes_or_none(path_name(path), len(x.shape)), mesh, rules)), params)
 
 
 def state_shardings(state, params, shardings, mesh: Mesh):

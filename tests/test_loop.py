@@ -190,7 +190,7 @@ def test_a_profile_into_a_remote_workdir_is_refused(tmp_path):
 
 
 def test_a_batch_the_devices_cannot_split_is_refused(tmp_path):
-  with pytest.raises(ValueError, match="batch_size=12 is not divisible by the 8 devices"):
+  with pytest.raises(ValueError, match="batch_size=12 is not divisible by the 8 parts"):
     Toy(_config(batch_size=12), str(tmp_path / "w"))
 
 

@@ -163,7 +163,8 @@ def test_killed_run_resumes_to_bit_identical_parameters(tmp_path, db, trained):
   workdir = str(tmp_path / "killed")
   run_dir = os.path.join(workdir, "retro")
   args = (CONFIG, f"--workdir={workdir}", *STEPS, f"--config.db.dir={db.directory}",
-          "--config.models=('retro',)", "--config.eval_every=0")  # (evaluation moves nothing)
+          "--config.models=('retro',)", "--config.eval_every=0",  # (evaluation moves nothing)
+          f"--config.mesh={MESH_3D}")  # the `trained` run's mesh: the same program, bit for bit
   kill_after = random.Random().randint(1, 5)  # a random step of the 6
   log = tmp_path / "killed.log"
   proc = start("retro_train", *args, log=log)
