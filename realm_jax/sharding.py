@@ -55,15 +55,13 @@ def mesh_axes(spec: str, devices: int, flag: str = "--mesh") -> dict[str, int]:
   fixed = math.prod(s for s in axes.values() if s != -1)
   if len(free) > 1:
     raise ValueError(f"{flag}={spec}: only one axis may be -1.")
-  if not devices:
-    return {a: axes.get(a, 1) for a in MESH_AXES}
-  if free and devices % fixed:
+  if devices and free and devices % fixed:
     raise ValueError(f"{flag}={spec}: the sized axes take {fixed} devices, which does not divide "
                      f"the {devices} devices; pick sizes whose product divides {devices}.")
-  if not free and fixed != devices:
+  if devices and not free and fixed != devices:
     raise ValueError(f"{flag}={spec}: the axes multiply to {fixed} devices, but there are "
                      f"{devices}; make them multiply to {devices}, or give one axis -1 (the rest).")
-  if free:
+  if devices and free:
     axes[free[0]] = devices // fixed
   return {a: axes.get(a, 1) for a in MESH_AXES}
 
@@ -187,7 +185,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def batch_shards(mesh: Mesh) -> int:
   """How many parts a global batch is split into."""
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
-
 
 
 def traced_on(mesh: Mesh, fn):

@@ -58,15 +58,7 @@ RULES = (
 
 def path_name(path) -> str:
   """A tree path as "a/b/c" (dict keys, attribute names, sequence indices)."""
-  keys = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        keys.append(str(getattr(k, attr)))
-        break
-    else:
-      keys.append(str(k))
-  return "/".join(keys)
+  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def axes_of(name: str, ndim: int) -> tuple:
