@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from realm_jax.data.chunks import (NearDuplicates, chunk_documents, chunk_values, decode_record,
-                                   excluded_chunk_ranges, is_heldout, record_layout, text_docs,
-                                   write_sequences)
+                                   excluded_chunk_ranges, is_heldout, reading_sequences,
+                                   record_layout, text_docs, train_exclusions, write_sequences)
 from realm_jax.data.retro_batches import retro_batches
 from realm_jax.data.sources import documents
 from realm_jax.retrieval.chunk_db import (MANIFEST, SETTINGS as SETTINGS_FILE, RetroDb,
@@ -322,6 +322,66 @@ def _values_by_loop(db, split):
     nxt = stream[(i + 1) * M:(i + 2) * M] if same else np.full(M, pad)
     return np.concatenate([stream[i * M:(i + 1) * M], nxt])
   return value
+
+
+def test_reading_sequences_give_up_only_their_own_chunks():
+  """config.db.own_document_share: the chosen sequences' chunks exclude themselves alone, the
+  others their sequence's documents (the paper's rule), and the choice is the same every time."""
+  docs = np.repeat(np.arange(40), 24)[:-7]                    # 40 documents of 24 tokens
+  docs = np.concatenate([docs, [-1] * 8])                     # padding at the end
+  paper = excluded_chunk_ranges(docs, 4, 3)
+  np.testing.assert_array_equal(train_exclusions(docs, 4, 3), paper)
+  np.testing.assert_array_equal(train_exclusions(docs, 4, 3, 0.0), paper)
+  for share in (0.5, 1.0):
+    got = train_exclusions(docs, 4, 3, share)
+    chosen = reading_sequences(len(paper) // 3, share)
+    np.testing.assert_array_equal(chosen, reading_sequences(len(paper) // 3, share))
+    for c in range(len(paper)):
+      want = [c, c] if chosen[c // 3] else paper[c]
+      assert list(got[c]) == list(want), (share, c)
+  assert 0 < reading_sequences(len(paper) // 3, 0.5).mean() < 1
+  assert reading_sequences(len(paper) // 3, 1.0).all()
+
+
+def test_own_document_share_rebuilds_the_train_neighbours_only(db, tmp_path):
+  """A database whose training chunks may read their own documents: its text, keys and index are
+  the paper-rule database's (reused, not rebuilt), its train neighbours the exact search leaving
+  out only the query chunk, its held-out neighbours unchanged; it is another database (a model
+  records which), and its neighbours are not mixed with the other rule's."""
+  out = str(tmp_path / "db")
+  os.makedirs(out)
+  for name in os.listdir(db.directory):
+    if not re.search(r"neighbours|array_record|stage-(neighbours|examples)|retro_db", name):
+      src = os.path.join(db.directory, name)
+      (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(out, name))
+  leaky = build_database(_config(own_document_share=1.0), out)
+  assert leaky.fingerprint != db.fingerprint
+  assert leaky.manifest["index_fingerprint"] == db.fingerprint
+  assert leaky.manifest["seconds"]["keys"] == db.manifest["seconds"]["keys"]   # not rebuilt
+  for name in ("stream", "docs", "keys"):
+    np.testing.assert_array_equal(leaky.array("train", name), db.array("train", name))
+  np.testing.assert_array_equal(leaky.array("heldout", "neighbours"),
+                                db.array("heldout", "neighbours"))
+  train_keys, docs = np.asarray(db.array("train", "keys")), db.array("train", "docs")
+  indexed = leaky.indexed_chunks("train")
+  queries, found = np.asarray(leaky.array("train", "keys")), leaky.array("train", "neighbours")
+  # Brute force written here: every indexed chunk but the query itself.
+  scores = queries.astype(np.float64) @ train_keys[indexed].astype(np.float64).T
+  scores[np.arange(len(queries))[:, None] == indexed[None, :]] = -np.inf
+  best = -np.sort(-scores, axis=1)[:, :K]
+  got = np.einsum("qd,qkd->qk", queries.astype(np.float64), train_keys[found])
+  np.testing.assert_allclose(got, best, atol=1e-5)
+  assert not (found == np.arange(len(found))[:, None]).any()
+  first_doc = lambda c: docs[np.asarray(c) * M]
+  own = first_doc(found) == first_doc(np.arange(len(found)))[:, None]
+  assert own[first_doc(np.arange(len(found))) >= 0].any()   # some read their own document
+  r = leaky.read_sequence("train", 0)
+  assert (r["neighbours"] == leaky.values(found[:N], "train").reshape(r["neighbours"].shape)).all()
+  # The other rule on this directory is refused, naming the setting.
+  with pytest.raises(ValueError, match="own_document_share"):
+    build_database(_config(), out)
+  with pytest.raises(ValueError, match="own_document_share=2"):
+    build_database(_config(own_document_share=2), str(tmp_path / "other"))
 
 
 def test_records_are_stream_slices_and_neighbour_values(db):

@@ -46,6 +46,9 @@ def database_config() -> ml_collections.ConfigDict:
   db.key_batch_size = 256
   db.shard_size = 4096             # rows per resumable shard (keys and neighbours)
   db.searcher = "exact"            # exact | scann (realm_jax/retrieval/searcher.py)
+  db.own_document_share = 0.0      # training sequences whose chunks may retrieve their own
+                                   # documents' other chunks (0: the paper's rule, none; see
+                                   # data/chunks.py: train_exclusions)
   db.dir = ""                      # default: <workdir>/db
   return db
 

@@ -323,6 +323,30 @@ def excluded_chunk_ranges(docs: np.ndarray, chunk_length: int, seq_chunks: int) 
   return np.repeat(ranges, seq_chunks, axis=0)
 
 
+def reading_sequences(num_sequences: int, share: float) -> np.ndarray:
+  """[S] bool: the training sequences whose chunks may also retrieve the other chunks of their own
+  documents (`config.db.own_document_share`): a fixed draw of `share` of them (seed 0), the same
+  in every build."""
+  return np.random.default_rng(0).random(num_sequences) < share
+
+
+def train_exclusions(docs: np.ndarray, chunk_length: int, seq_chunks: int,
+                     own_document_share: float = 0.0) -> np.ndarray:
+  """What each training chunk may not retrieve, [N, 2] (lo, hi) inclusive: its sequence's
+  documents (`excluded_chunk_ranges`, the paper's rule), except in the `reading_sequences`,
+  whose chunks give up only themselves and may read the rest of their document, the text they
+  are about to predict included. That teaches the chunked cross-attention to read what a
+  neighbour says (a neighbour from other documents rarely holds the next tokens); evaluation
+  never retrieves held-out text."""
+  ranges = excluded_chunk_ranges(docs, chunk_length, seq_chunks)
+  if own_document_share > 0:
+    reading = np.repeat(reading_sequences(len(ranges) // seq_chunks, own_document_share),
+                        seq_chunks)
+    ids = np.flatnonzero(reading)
+    ranges[ids, 0] = ranges[ids, 1] = ids
+  return ranges
+
+
 def chunk_values(stream: np.ndarray, docs: np.ndarray, chunk_ids: np.ndarray, chunk_length: int,
                  num_chunks: int, pad_id: int) -> np.ndarray:
   """What a retrieved chunk gives the model: its m tokens and its continuation's, [..., 2m] int32

@@ -56,7 +56,8 @@ from tqdm.auto import tqdm
 from realm_jax import config_checks, io_utils, workdir_lock
 from realm_jax.checkpoints.weights import resolve
 from realm_jax.data.chunks import (JACCARD, SPLITS, chunk_documents, chunk_values, decode_record,
-                                   excluded_chunk_ranges, record_layout, write_sequences)
+                                   excluded_chunk_ranges, record_layout, train_exclusions,
+                                   write_sequences)
 from realm_jax.data.sources import SOURCES, documents, jsonl_files
 from realm_jax.retrieval.embed import embed_corpus, embed_in_buckets
 from realm_jax.retrieval.index import DocIndex
@@ -72,10 +73,13 @@ SETTINGS = "settings.json"
 _CHUNK_KEYS = ("source", "paths", "tfds_name", "max_docs", "heldout_percent", "tokenizer_file",
                "chunk_length", "seq_chunks")
 CONTENT_KEYS = _CHUNK_KEYS + ("key_weights", "key_length", "searcher", "num_neighbours")
+# Read by the training neighbours alone; in the settings only when not 0 (a database of the
+# paper's rule keeps the settings and fingerprint it had before the setting existed).
+_NEIGHBOUR_KEYS = CONTENT_KEYS + ("own_document_share",)
 # The settings each stage's files depend on: those of a directory may still change while no
 # finished stage depends on them (e.g. num_neighbours, after a k refused once the text was read).
 STAGE_KEYS = {"chunks": _CHUNK_KEYS, "keys": _CHUNK_KEYS + ("key_weights", "key_length"),
-              "index": CONTENT_KEYS, "neighbours": CONTENT_KEYS, "examples": CONTENT_KEYS}
+              "index": CONTENT_KEYS, "neighbours": _NEIGHBOUR_KEYS, "examples": _NEIGHBOUR_KEYS}
 
 
 def check_settings(db, flag: str = "--config.db") -> None:
@@ -87,6 +91,10 @@ def check_settings(db, flag: str = "--config.db") -> None:
   config_checks.at_least(db, {"heldout_percent": 0}, flag)
   if db.heldout_percent > 100:
     raise ValueError(f"{flag}.heldout_percent={db.heldout_percent!r}: give a percentage, 0 to 100.")
+  share = db.get("own_document_share", 0)
+  if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+    raise ValueError(f"{flag}.own_document_share={share!r}: give the share of training sequences "
+                     "that may read their own documents, 0 (the paper's rule) to 1.")
   if db.paths and db.source != "jsonl":
     raise ValueError(f"{flag}.paths are read only with {flag}.source=jsonl, not "
                      f"{db.source!r}: set the source to jsonl, or drop the paths.")
@@ -101,7 +109,10 @@ def check_settings(db, flag: str = "--config.db") -> None:
 
 
 def db_settings(db) -> dict:
-  return {k: list(db[k]) if k == "paths" else db[k] for k in CONTENT_KEYS}
+  settings = {k: list(db[k]) if k == "paths" else db[k] for k in CONTENT_KEYS}
+  if db.get("own_document_share", 0):
+    settings["own_document_share"] = float(db.own_document_share)
+  return settings
 
 
 def file_crc32(path: str) -> str:
@@ -333,27 +344,32 @@ def _build(db, db_dir: str, weights, tokenizer: LmTokenizer, flag: str) -> "Retr
                        f"by {weights.name} ({'same' if same else 'decoded'} text)"}
 
   keys = _stage(db_dir, "keys", key_stage)
-  fingerprint = hashlib.sha256(json.dumps(
-      [VERSION, settings, chunks["content_sha256"], tokenizer.name, keys["key_fingerprint"]],
+  text_settings = {k: v for k, v in settings.items() if k in CONTENT_KEYS}
+  index_fingerprint = hashlib.sha256(json.dumps(
+      [VERSION, text_settings, chunks["content_sha256"], tokenizer.name, keys["key_fingerprint"]],
       sort_keys=True).encode()).hexdigest()[:16]
+  # The database's: its training neighbours' rule too (a model records it, train/retro.py).
+  fingerprint = index_fingerprint if settings == text_settings else hashlib.sha256(
+      json.dumps([index_fingerprint, settings], sort_keys=True).encode()).hexdigest()[:16]
   index_dir = os.path.join(db_dir, "index")
 
   def index_stage():
     train_keys = np.asarray(_load(db_dir, "train", "keys"))[indexed]
     DocIndex(train_keys, indexed, searcher=db.searcher).save(
         index_dir, step=0, model_fingerprint=keys["key_fingerprint"],
-        corpus_fingerprint=fingerprint, embeddings=train_keys)
+        corpus_fingerprint=index_fingerprint, embeddings=train_keys)
     return {"count": len(indexed), "summary": f"{len(indexed)} train chunks indexed"}
 
   index_record = _stage(db_dir, "index", index_stage)
 
   def neighbour_stage():
-    index = DocIndex.load(index_dir, expected_corpus_fingerprint=fingerprint,
+    index = DocIndex.load(index_dir, expected_corpus_fingerprint=index_fingerprint,
                           expected_model_fingerprint=keys["key_fingerprint"], searcher=db.searcher,
                           remedy=_rebuild_advice(db_dir))
     for split in SPLITS:
       queries = np.asarray(_load(db_dir, split, "keys"))
-      ranges = (excluded_chunk_ranges(_load(db_dir, split, "docs"), m, n) if split == "train"
+      ranges = (train_exclusions(_load(db_dir, split, "docs"), m, n, db.own_document_share)
+                if split == "train"
                 else np.full((len(queries), 2), -1, np.int64))
       found = search_neighbours(
           index, queries, ranges, k, out_dir=os.path.join(
@@ -385,6 +401,7 @@ def _build(db, db_dir: str, weights, tokenizer: LmTokenizer, flag: str) -> "Retr
             "neighbours": neighbour_record, "examples": examples}
   manifest = {
       "version": VERSION, "settings": settings, "fingerprint": fingerprint,
+      "index_fingerprint": index_fingerprint,
       "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size,
                     "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id},
       "key_name": keys["key_name"], "key_fingerprint": keys["key_fingerprint"],
@@ -604,7 +621,8 @@ class RetroDb:
 
   def load_index(self, searcher: str | None = None, **options) -> DocIndex:
     return DocIndex.load(os.path.join(self.directory, "index"),
-                         expected_corpus_fingerprint=self.fingerprint,
+                         expected_corpus_fingerprint=self.manifest.get("index_fingerprint",
+                                                                       self.fingerprint),
                          expected_model_fingerprint=self.key_fingerprint,
                          searcher=searcher or self.settings["searcher"],
                          remedy=_rebuild_advice(self.directory), **options)
