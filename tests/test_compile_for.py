@@ -129,6 +129,7 @@ def test_collectives_of_hand_written_hlo():
   assert count_bytes("all-to-all") == (1, 16 * 4)
   assert got["unknown_trip_counts"] == 1
   assert hlo.unestimated_calls(HLO) == 1 and hlo.while_loops(HLO) == 2
+  assert hlo.custom_calls(HLO) == {"ConcatBitcast": 1}
   assert hlo.shape_bytes("(bf16[2,3]{1,0}, pred[], s4[10])") == 12 + 1 + 10
 
 
@@ -246,6 +247,7 @@ def test_tiny_retro_step_compiles_for_a_v5e_slice():
   p = report["programs"]["retro"]
   assert p["memory"]["fits"] and p["memory"]["capacity"] == 16 * topology.GIB
   assert p["collectives"]["all-reduce"]["bytes"] >= 4 * p["params"]
+  assert "tpu_custom_call" not in p["custom_calls"]
   assert p["optimal_seconds"] > 0 and 0 < p["mfu"] < 1
   assert "TPU compiler's estimates" in report["note"] and report["versions"]["libtpu"]
   # The project's estimate of the state (parameters and AdamW's moments, replicated) against the
@@ -263,6 +265,20 @@ def test_tiny_retro_compiles_for_a_v5e_slice_split_three_ways():
   assert p["memory"]["fits"] and p["collectives"]["all-gather"]["count"] > 0
   held = p["estimate"]["parameters"] + p["estimate"]["optimizer state"]
   assert 0.8 < held / p["memory"]["arguments"] < 1.2
+
+
+@needs_libtpu
+def test_flash_attention_compiles_for_a_v5e_slice_split_three_ways():
+  """The fused TPU kernel (models/flash.py) runs per device inside the step laid out on a
+  (data 2, fsdp 2, tensor 2) mesh: it compiles for the slice, as Mosaic custom calls (forward and
+  the two backward kernels, in each of the 2 layers), which the dense step has none of (the
+  test above); the model's FLOPs are still counted."""
+  config = _tiny_retro()
+  config.db.update(chunk_length=16, seq_chunks=16)   # 256 tokens: two of the kernel's blocks
+  config.model.update(max_length=256, attention="flash", num_heads=4, num_kv_heads=2)
+  p = aot.compile_for(config, "retro", "v5e-8", "data=2,fsdp=2,tensor=2")["programs"]["retro"]
+  assert p["memory"]["fits"] and p["custom_calls"].get("tpu_custom_call", 0) >= 2 * 3
+  assert p["model_flops_per_device"] > 0
 
 
 @pytest.mark.slow

@@ -29,7 +29,9 @@ def save(directory: str, config: RetroConfig, params, meta: dict) -> None:
   def write(tmp: str):
     save_file(flat, os.path.join(tmp, PARAMS),
               metadata={"arrays_crc32": arrays_crc32(*[flat[k] for k in sorted(flat)])})
-    write_json(os.path.join(tmp, CONFIG), {"model": dataclasses.asdict(config), **meta})
+    # How attention is computed is the reader's choice (flash is TPU code), not the model's.
+    model = {k: v for k, v in dataclasses.asdict(config).items() if k != "attention"}
+    write_json(os.path.join(tmp, CONFIG), {"model": model, **meta})
 
   atomic_write_dir(directory, write, marker=CONFIG)
 
@@ -42,6 +44,7 @@ def _read_config(directory: str, flag: str) -> tuple[RetroConfig, dict]:
         "(experiments/retro_train.py writes <workdir>/retro/export and <workdir>/baseline/export).")
   meta = read_json(path)
   fields = meta.pop("model")
+  fields.pop("attention", None)
   fields["cca_layers"] = tuple(fields["cca_layers"])
   fields["rope_scaling"] = tuple(tuple(p) for p in fields.get("rope_scaling", ()))  # JSON lists
   return RetroConfig(**fields), meta

@@ -156,6 +156,13 @@ def unestimated_calls(hlo_text: str) -> int:
              for name in UNESTIMATED_CALLS)
 
 
+def custom_calls(hlo_text: str) -> dict[str, int]:
+  """{target: count} of the custom calls in a compiled program (`tpu_custom_call`: a Pallas
+  kernel compiled by Mosaic, e.g. models/flash.py's attention)."""
+  found = re.findall(r'custom_call_target="([^"]+)"', hlo_text)
+  return {t: found.count(t) for t in sorted(set(found))}
+
+
 def while_loops(hlo_text: str) -> int:
   """While loops in a program (XLA's cost analysis counts each body's FLOPs once)."""
   return len(re.findall(r"\swhile\(", hlo_text))

@@ -236,11 +236,15 @@ REMAT_KEYS = {"retro": "model.remat", "pretrain": "remat"}
 
 
 def without_remat(config, trainer: str):
-  """A copy of `config` whose step recomputes nothing (the same FLOPs a model needs)."""
+  """A copy of `config` whose step recomputes nothing and attends densely: the FLOPs the
+  model's arithmetic needs, countable on the CPU (a fused TPU attention kernel is not; the full
+  [L, L] scores are counted, as MFU conventionally does, though a causal kernel skips half)."""
   config = ml_collections.ConfigDict(config.to_dict())
   node = config
   *parents, last = REMAT_KEYS[trainer].split(".")
   for p in parents:
     node = node[p]
   node[last] = False
+  if "attention" in config.get("model", {}):
+    config.model.attention = "dense"
   return config

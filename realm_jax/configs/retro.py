@@ -78,8 +78,11 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.model.num_neighbours = 2       # k read by the model (<= config.db.num_neighbours)
   c.model.dropout = 0.0            # decoder, CCA and encoder
   c.model.zero_init_cca = False    # CCA's output starts at 0 (a RETROfit starts as its decoder)
+  c.model.encoder_input_norm = False  # LayerNorm on the neighbour encoder's input embeddings
   c.model.dtype = "float32"        # compute: float32 | bfloat16 (parameters stay float32)
   c.model.remat = False            # recompute each block's activations in the backward pass
+  c.model.attention = "dense"      # self-attention: dense | flash (a fused TPU kernel, for TPUs
+                                   # and compile_for.py; models/flash.py)
 
   c.models = ("retro", "baseline")  # what to train, on the same batches: RETRO, its baseline
   c.init = "random"                # random | smollm2 | a .gguf | a HF GPT-2/Llama directory

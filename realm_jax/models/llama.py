@@ -21,6 +21,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from realm_jax.models import flash
+
 Array = jax.Array
 
 
@@ -82,7 +84,8 @@ class GroupedQueryAttention(nn.Module):
   config: object
 
   @nn.compact
-  def __call__(self, x: Array, allowed: Array, positions: Array, deterministic: bool) -> Array:
+  def __call__(self, x: Array, allowed: Array | None, positions: Array, segments: Array | None,
+               deterministic: bool) -> Array:
     c = self.config
     b, length, _ = x.shape
     nq, nkv, dh = c.num_heads, c.kv_heads, c.attention_head_dim
@@ -93,11 +96,15 @@ class GroupedQueryAttention(nn.Module):
     q = apply_rope(jnp.moveaxis(q, 1, -2), positions[:, None, None], inv_freq)  # [B, Nkv, G, L, Dh]
     k = apply_rope(jnp.moveaxis(k, 1, -2), positions[:, None], inv_freq)        # [B, Nkv, L, Dh]
     v = jnp.moveaxis(v, 1, -2)
-    q = q / jnp.sqrt(dh).astype(q.dtype)
-    scores = jnp.einsum("bhgqd,bhkd->bhgqk", q, k).astype(jnp.float32)
-    scores = jnp.where(allowed[:, None, None], scores, -1e9)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    ctx = jnp.einsum("bhgqk,bhkd->bqhgd", probs, v).reshape(b, length, nq * dh)
+    if c.attention == "flash":  # query heads in the order (key/value head, group), as below
+      ctx = flash.attend(q.reshape(b, nq, length, dh), k, v, segments)     # [B, N, L, Dh]
+      ctx = jnp.moveaxis(ctx, 1, 2).reshape(b, length, nq * dh)
+    else:
+      q = q / jnp.sqrt(dh).astype(q.dtype)
+      scores = jnp.einsum("bhgqd,bhkd->bhgqk", q, k).astype(jnp.float32)
+      scores = jnp.where(allowed[:, None, None], scores, -1e9)
+      probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+      ctx = jnp.einsum("bhgqk,bhkd->bqhgd", probs, v).reshape(b, length, nq * dh)
     out = _dense(c, c.hidden_size, "o_proj", c.attention_out_bias)(ctx)
     return nn.Dropout(c.dropout)(out, deterministic=deterministic)
 

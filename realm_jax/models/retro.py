@@ -28,6 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from realm_jax.models import flash
 from realm_jax.models.llama import GroupedQueryAttention, RMSNorm, SwiGLU
 from realm_jax.models.partitioning import batch_split
 
@@ -69,10 +70,19 @@ class RetroConfig:
   sliding_window: int = 0        # llama: a token reads at most this many (0: all; Mistral)
   zero_init_cca: bool = False    # CCA's output projection starts at 0: a RETROfit starts as
                                  # exactly the pre-trained decoder
+  encoder_input_norm: bool = False  # LayerNorm the neighbour encoder's input (the word
+                                 # embeddings, projected): a pre-trained decoder's embeddings are
+                                 # small beside what the encoder's layers add (docs/retro.md)
+  attention: str = "dense"       # the decoder's self-attention: "dense" (softmax over [L, L]
+                                 # scores) | "flash" (one fused TPU kernel: models/flash.py)
 
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f"Unknown decoder family {self.family!r}: use one of {FAMILIES}.")
+    if self.attention not in flash.ATTENTION:
+      raise ValueError(f"Unknown attention {self.attention!r}: use one of {flash.ATTENTION}.")
+    if self.attention == "flash" and self.sliding_window:
+      flash.check(self.max_length, self.sliding_window)
     if self.num_heads % self.kv_heads:
       raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
                        f"{self.kv_heads}.")
@@ -202,12 +212,17 @@ class CausalSelfAttention(nn.Module):
   config: RetroConfig
 
   @nn.compact
-  def __call__(self, x: Array, allowed: Array, deterministic: bool) -> Array:
-    """x [B, L, H], allowed [B or 1, L, L] (`attention_mask`) -> [B, L, H]."""
+  def __call__(self, x: Array, allowed: Array | None, segments: Array | None,
+               deterministic: bool) -> Array:
+    """x [B, L, H], allowed [B or 1, L, L] (`attention_mask`; None with flash attention, which
+    reads `segments` [B, L] or None) -> [B, L, H]."""
     c = self.config
     q, k, v = jnp.split(_dense(c, 3 * c.hidden_size, "c_attn")(x), 3, axis=-1)
     q, k, v = (_heads(t, c.num_heads) for t in (q, k, v))            # [B, N, L, Dh]
-    ctx = _merge(_attend(q, k, v, jnp.where(allowed[:, None], 0.0, _NEG)))   # [B, L, H]
+    if c.attention == "flash":
+      ctx = _merge(flash.attend(q, k, v, segments))
+    else:
+      ctx = _merge(_attend(q, k, v, jnp.where(allowed[:, None], 0.0, _NEG)))   # [B, L, H]
     out = _dense(c, c.hidden_size, "c_proj")(ctx)
     return nn.Dropout(c.dropout)(out, deterministic=deterministic)
 
@@ -284,6 +299,8 @@ class NeighbourEncoder(nn.Module):
     x = embedded
     if c.encoder_width != c.hidden_size:
       x = _dense(c, c.encoder_width, "project")(x)
+    if c.encoder_input_norm:
+      x = _layer_norm(c, "ln_in")(x).astype(c.compute_dtype)
     layer = nn.remat(EncoderLayer, static_argnums=(4,)) if c.remat else EncoderLayer
     for i in range(c.encoder_layers):
       x = layer(c, name=f"layer_{i}")(x, mask, chunks, deterministic)
@@ -342,9 +359,9 @@ class DecoderBlock(nn.Module):
     c = self.config
     h = _decoder_norm(c, "ln_1")(x).astype(x.dtype)
     if c.family == "llama":
-      x = x + GroupedQueryAttention(c, name="attn")(h, allowed, positions, deterministic)
+      x = x + GroupedQueryAttention(c, name="attn")(h, allowed, positions, segments, deterministic)
     else:
-      x = x + CausalSelfAttention(c, name="attn")(h, allowed, deterministic)
+      x = x + CausalSelfAttention(c, name="attn")(h, allowed, segments, deterministic)
     if self.cca and neighbours is not None:
       b, length, h = x.shape
       if self.encode:
@@ -403,7 +420,8 @@ class RetroModel(nn.Module):
     if neighbours is not None and c.retrieval:
       embedded, mask = wte(in_vocab(neighbours)), neighbours != c.pad_id   # [B, C, K, R, H]
       embedded = batch_split(embedded)
-    allowed = attention_mask(length, segments, c.sliding_window)
+    allowed = (None if c.attention == "flash"
+               else attention_mask(length, segments, c.sliding_window))
     block = nn.remat(DecoderBlock, static_argnums=(8,)) if c.remat else DecoderBlock
     encoded, first = None, min(c.cca_layers, default=0)
     x = batch_split(x)

@@ -51,7 +51,8 @@ def model_config(config, db, retrieval: bool) -> RetroConfig:
                      encoder_size=c.encoder_size if retrieval else 0,
                      num_neighbours=c.num_neighbours, pad_id=db.tokenizer.pad_id,
                      dropout=c.dropout, dtype=c.dtype, remat=c.remat,
-                     zero_init_cca=c.zero_init_cca)
+                     zero_init_cca=c.zero_init_cca, attention=c.attention,
+                     encoder_input_norm=c.encoder_input_norm)
 
 
 def decay_mask(params):
