@@ -229,3 +229,22 @@ def test_cca_learns_to_read_what_its_neighbours_say():
   other = float(score(params, inputs, targets, np.roll(neighbours, 1, axis=0)))
   assert none > 4.0 and other > 4.0
   assert own < none - 0.5, (own, none, other)
+
+
+def test_the_encoders_input_norm_makes_it_blind_to_the_embeddings_scale():
+  """model.encoder_input_norm: the neighbour encoder LayerNorms its projected input, so a
+  pre-trained decoder's small word embeddings reach it at the scale of what its layers add; its
+  output is then the same whatever the embeddings' scale (and not without the norm)."""
+  from realm_jax.models.retro import NeighbourEncoder
+  rng = np.random.default_rng(0)
+  embedded = jnp.asarray(rng.normal(0, 2.0, (1, 2, 2, 8, 32)), jnp.float32)   # [B, C, K, R, H]
+  mask = jnp.ones((1, 2, 2, 8), bool).at[0, 1, 1, 5:].set(False)
+  chunks = jnp.asarray(rng.normal(0, 1, (1, 2, 4, 32)), jnp.float32)
+  for norm in (True, False):
+    c = RetroConfig(vocab_size=10, hidden_size=32, num_heads=2, chunk_length=4, encoder_size=16,
+                    encoder_input_norm=norm)
+    params = NeighbourEncoder(c).init(jax.random.key(0), embedded, mask, chunks, True)
+    assert ("ln_in" in params["params"]) == norm
+    out = lambda e: NeighbourEncoder(c).apply(params, e, mask, chunks, True)
+    gap = float(jnp.abs(out(20 * embedded) - out(embedded)).max())
+    assert (gap < 1e-3) if norm else (gap > 1e-1), (norm, gap)  # (LayerNorm's eps: not exact)
