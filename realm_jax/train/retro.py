@@ -29,6 +29,7 @@ import numpy as np
 from realm_jax import config_checks, distributed, sharding, workdir_lock
 from realm_jax.checkpoints import decoder, retro_export
 from realm_jax.data.retro_batches import retro_batches
+from realm_jax.models import flash
 from realm_jax.models.retro import RetroModel
 from realm_jax.retrieval.chunk_db import RetroDb, build_database
 from realm_jax.train import loop, memory
@@ -78,6 +79,7 @@ def check_settings(config, workdir: str) -> None:
     raise ValueError("--config.freeze_decoder=True needs trained decoder weights: set "
                      "--config.init to smollm2, a .gguf file or a Hugging Face GPT-2 / Llama / "
                      "Mistral / Qwen2 directory (RETROfitting).")
+  config_checks.one_of(config, {"model.attention": flash.ATTENTION})
   if config.db.heldout_percent <= 0:
     raise ValueError(f"--config.db.heldout_percent={config.db.heldout_percent!r}: the models are "
                      "evaluated on held-out documents, and none would be held out: give a "
@@ -204,6 +206,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if config.distributed:  # before the database's embedding, the first JAX work (loop.train's
     distributed.initialize()  # own call then finds it done)
   sharding.config_mesh(config)  # a mesh the devices cannot make: refused before the database
+  if config.model.attention == "flash" and jax.default_backend() != "tpu":  # (devices known now)
+    raise ValueError(f"--config.model.attention=flash is a TPU kernel and this run's devices are "
+                     f"{jax.default_backend()}: use --config.model.attention=dense here, or "
+                     "compile the step for a TPU slice with experiments/compile_for.py.")
   with workdir_lock.hold(workdir):  # one writer of the database and the report
     db = build_database(config.db, database_dir(config, workdir))
     for name in config.models:
