@@ -25,11 +25,8 @@ ATTENTION = ("dense", "flash")
 BLOCK = 128  # the kernel's tile along the sequence: its default, and its least on a TPU
 
 
-def check(length: int, sliding_window: int) -> None:
+def check(length: int) -> None:
   """ValueError unless a sequence of `length` tokens can use the kernel."""
-  if sliding_window:
-    raise ValueError(f"attention='flash' has no sliding window (sliding_window={sliding_window}): "
-                     "use attention='dense'.")
   if length % BLOCK:
     raise ValueError(f"attention='flash' tiles the sequence in blocks of {BLOCK} tokens (the TPU "
                      f"kernel's least): a sequence of {length} is not a multiple of that; use "
@@ -51,7 +48,7 @@ def attend(q: Array, k: Array, v: Array, segments: Array | None) -> Array:
   Returns:
     [B, N, L, Dh] in v's dtype.
   """
-  check(q.shape[-2], 0)
+  check(q.shape[-2])
   group = q.shape[1] // k.shape[1]
   if group > 1:
     k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)

@@ -82,7 +82,8 @@ class RetroConfig:
     if self.attention not in flash.ATTENTION:
       raise ValueError(f"Unknown attention {self.attention!r}: use one of {flash.ATTENTION}.")
     if self.attention == "flash" and self.sliding_window:
-      flash.check(self.max_length, self.sliding_window)
+      raise ValueError(f"attention='flash' has no sliding window (sliding_window="
+                       f"{self.sliding_window}): use attention='dense'.")
     if self.num_heads % self.kv_heads:
       raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
                        f"{self.kv_heads}.")

@@ -91,7 +91,7 @@ def check_settings(db, flag: str = "--config.db") -> None:
   config_checks.at_least(db, {"heldout_percent": 0}, flag)
   if db.heldout_percent > 100:
     raise ValueError(f"{flag}.heldout_percent={db.heldout_percent!r}: give a percentage, 0 to 100.")
-  share = db.get("own_document_share", 0)
+  share = db.own_document_share
   if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
     raise ValueError(f"{flag}.own_document_share={share!r}: give the share of training sequences "
                      "that may read their own documents, 0 (the paper's rule) to 1.")
@@ -110,7 +110,7 @@ def check_settings(db, flag: str = "--config.db") -> None:
 
 def db_settings(db) -> dict:
   settings = {k: list(db[k]) if k == "paths" else db[k] for k in CONTENT_KEYS}
-  if db.get("own_document_share", 0):
+  if db.own_document_share:
     settings["own_document_share"] = float(db.own_document_share)
   return settings
 
