@@ -14,7 +14,10 @@ M, C, K, H, N = 4, 3, 2, 16, 2   # chunk length, chunks, neighbours, width, head
 R, L = 2 * M, C * M
 
 
-FAMILIES = {"gpt2": {}, "llama": dict(family="llama", num_kv_heads=1, rope_theta=100.0)}
+FAMILIES = {"gpt2": {}, "llama": dict(family="llama", num_kv_heads=1, rope_theta=100.0),
+            # CCA reading the decoder's own states of the neighbours (no encoder)
+            "llama_decoder_memory": dict(family="llama", num_kv_heads=1, rope_theta=100.0,
+                                         cca_memory="decoder")}
 
 
 def _config(**kw):
@@ -248,3 +251,112 @@ def test_the_encoders_input_norm_makes_it_blind_to_the_embeddings_scale():
     out = lambda e: NeighbourEncoder(c).apply(params, e, mask, chunks, True)
     gap = float(jnp.abs(out(20 * embedded) - out(embedded)).max())
     assert (gap < 1e-3) if norm else (gap > 1e-1), (norm, gap)  # (LayerNorm's eps: not exact)
+
+
+def _rope(x, pos, theta):
+  """HF's rotary positions (rotate_half) of one head's vector x [Dh] at position `pos`."""
+  half = x.shape[-1] // 2
+  angles = pos / theta ** (np.arange(half) * 2 / x.shape[-1])
+  cos, sin = np.concatenate([np.cos(angles)] * 2), np.concatenate([np.sin(angles)] * 2)
+  return x * cos + np.concatenate([-x[half:], x[:half]]) * sin
+
+
+def test_cca_over_decoder_states_equals_a_plain_per_token_loop():
+  """cca_memory="decoder": token t >= m - 1 reads the (normalised) states of the neighbours of
+  chunk (t - m + 1) // m with the layer's kind of grouped-query attention, the neighbour's
+  token j at rotary position j and the query (place i in its attending chunk) at R + i."""
+  config = _config(**{**FAMILIES["llama_decoder_memory"], "num_heads": 4, "num_kv_heads": 2})
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, L, H)).astype(np.float32)
+  enc = rng.normal(size=(2, C, K, R, H)).astype(np.float32)
+  mask = rng.random((2, C, K, R)) > 0.3
+  mask[1, 1] = False
+  cca = ChunkedCrossAttention(config)
+  params = _randomize(cca.init(jax.random.key(0), x, enc, mask)["params"])
+  got = np.asarray(cca.apply({"params": params}, x, enc, mask))
+  a = {n: np.asarray(params["attn"][n]["kernel"], np.float64)
+       for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+  nq, nkv, dh = 4, 2, H // 4
+  want = np.zeros((2, L, H))
+  for b in range(2):
+    for t in range(M - 1, L):
+      u, i = divmod(t - (M - 1), M)
+      if not mask[b, u].any():
+        continue
+      q = (x[b, t] @ a["q_proj"]).reshape(nq, dh)
+      ctx = np.zeros((nq, dh))
+      for n in range(nq):
+        g = n // (nq // nkv)                       # the key/value head of query head n
+        scores, values = [], []
+        for j in range(K):
+          for pos in range(R):
+            if mask[b, u, j, pos]:
+              key = (enc[b, u, j, pos] @ a["k_proj"]).reshape(nkv, dh)[g]
+              scores.append(_rope(q[n], R + i, 100.0) @ _rope(key, pos, 100.0) / np.sqrt(dh))
+              values.append((enc[b, u, j, pos] @ a["v_proj"]).reshape(nkv, dh)[g])
+        s = np.exp(np.array(scores) - max(scores))
+        ctx[n] = (s / s.sum()) @ np.array(values)
+      want[b, t] = ctx.reshape(H) @ a["o_proj"]
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  assert np.abs(want[:, M - 1:]).max() > 0.1 and not got[:, :M - 1].any()
+
+
+def test_decoder_memory_reads_the_decoders_own_states_of_each_neighbour():
+  """The states a CCA layer reads (cca_memory="decoder") are the plain decoder's, run over each
+  neighbour (chunk and continuation) as a sequence of its own: captured at the input of CCA layer
+  3, they equal layer 2's output of the decoder without CCA on the neighbours alone."""
+  config = _config(**FAMILIES["llama_decoder_memory"])
+  rng = np.random.default_rng(2)
+  tokens = rng.integers(1, 41, (2, L))
+  neighbours = rng.integers(1, 41, (2, C, K, R))
+  neighbours[0, 1, 0, R - 3:] = 0          # a short continuation, padded at its end
+  module = RetroModel(config)
+  params = _randomize(module.init(jax.random.key(0), tokens, neighbours)["params"], seed=3)
+  _, state = module.apply({"params": params}, tokens, neighbours,
+                          capture_intermediates=lambda mdl, _: mdl.name == "h_1",
+                          mutable=["intermediates"])
+  got = np.asarray(state["intermediates"]["h_1"]["__call__"][0][0])   # its call on the states
+  flat = neighbours.reshape(-1, R)
+  segments = np.where(flat != 0, 0, -1)
+  plain = RetroModel(_config(**{**FAMILIES["llama"], "cca_layers": ()}))
+  decoder = {k: {n: v for n, v in p.items() if n not in ("cca", "ln_cca")}
+             if k.startswith("h_") else p for k, p in params.items()}
+  _, state = plain.apply({"params": decoder}, flat, segments=segments,
+                         capture_intermediates=lambda mdl, _: mdl.name == "h_1",
+                         mutable=["intermediates"])
+  want = np.asarray(state["intermediates"]["h_1"]["__call__"][0][0])
+  real = flat != 0
+  np.testing.assert_allclose(got[real], want[real], atol=1e-5, rtol=1e-5)
+
+
+def test_a_retrofit_starts_each_decoder_memory_cca_as_its_layers_attention():
+  """checkpoints/decoder.retrofit: with cca_memory="decoder" the CCA's q/k/v projections and
+  ln_cca start as copies of the layer's attention and ln_1; with zero_init_cca its output is 0,
+  so the model is exactly its decoder with or without neighbours."""
+  from flax import traverse_util
+  from realm_jax.checkpoints.decoder import is_decoder_param, retrofit
+  config = _config(**FAMILIES["llama_decoder_memory"], zero_init_cca=True)
+  rng = np.random.default_rng(4)
+  tokens, neighbours = rng.integers(1, 41, (2, L)), rng.integers(1, 41, (2, C, K, R))
+  module = RetroModel(config)
+  fresh = module.init(jax.random.key(0), tokens, neighbours)["params"]
+  flat = traverse_util.flatten_dict(_randomize(fresh, seed=5))
+  decoder = traverse_util.unflatten_dict({p: np.asarray(v) for p, v in flat.items()
+                                          if is_decoder_param(p)})
+  params = retrofit(fresh, decoder)
+  for layer in ("h_1", "h_2"):
+    for name in ("q_proj", "k_proj", "v_proj"):
+      np.testing.assert_array_equal(params[layer]["cca"]["attn"][name]["kernel"],
+                                    decoder[layer]["attn"][name]["kernel"])
+    np.testing.assert_array_equal(params[layer]["ln_cca"]["scale"], decoder[layer]["ln_1"]["scale"])
+    assert not np.asarray(params[layer]["cca"]["attn"]["o_proj"]["kernel"]).any()
+  with_nb = module.apply({"params": params}, tokens, neighbours)
+  np.testing.assert_allclose(np.asarray(with_nb), np.asarray(module.apply({"params": params},
+                                                                          tokens)), atol=1e-6)
+
+
+def test_decoder_memory_needs_the_llama_family():
+  with pytest.raises(ValueError, match="needs the llama family"):
+    _config(cca_memory="decoder")
+  with pytest.raises(ValueError, match="Unknown cca_memory"):
+    _config(cca_memory="neither")

@@ -2,7 +2,7 @@
 families of `realm_jax.models.retro.RetroModel`.
 
     settings = decoder_settings(source)     # RetroConfig fields, from config.json / GGUF metadata
-    params = retrofit(model.init(...)["params"], load_decoder(source))
+    params = retrofit(model.init(...)["params"], load_decoder(source))   # + CCA as attention
     frozen = is_decoder_param(path)         # everything but the encoder and the CCA layers
 
 A source is
@@ -95,4 +95,19 @@ def retrofit(params: dict, decoder: dict, flag: str = "--config.init") -> dict:
     raise CheckpointError(
         f"{flag}: the model's decoder and the checkpoint's differ in {len(diff)} parameters "
         f"({listed}): build the model's RetroConfig with the checkpoint's decoder_settings.")
-  return overlay(params, decoder, flag)
+  return _cca_from_attention(overlay(params, decoder, flag))
+
+
+def _cca_from_attention(params: dict) -> dict:
+  """A CCA layer shaped like its layer's attention (`RetroConfig.cca_memory == "decoder"`)
+  starts as a copy of it: query, key and value projections (and biases) and the layer's input
+  norm as `ln_cca`; the output projection keeps its own start (0 with `zero_init_cca`)."""
+  flat = traverse_util.flatten_dict(params)
+  for path in list(flat):
+    if len(path) == 5 and path[1:3] == ("cca", "attn") and path[3] in ("q_proj", "k_proj",
+                                                                        "v_proj"):
+      flat[path] = flat[(path[0], "attn") + path[3:]]
+    elif len(path) == 3 and path[1:] == ("ln_cca", "scale") and (
+        (path[0], "cca", "attn", "q_proj", "kernel") in flat):
+      flat[path] = flat[(path[0], "ln_1", "scale")]
+  return traverse_util.unflatten_dict(flat)

@@ -79,6 +79,9 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c.model.dropout = 0.0            # decoder, CCA and encoder
   c.model.zero_init_cca = False    # CCA's output starts at 0 (a RETROfit starts as its decoder)
   c.model.encoder_input_norm = False  # LayerNorm on the neighbour encoder's input embeddings
+  c.model.cca_memory = "encoder"   # what CCA reads: encoder (the paper's) | decoder (llama: the
+                                   # decoder's own states of the neighbours, no encoder; a
+                                   # RETROfit starts each CCA as a copy of its layer's attention)
   c.model.dtype = "float32"        # compute: float32 | bfloat16 (parameters stay float32)
   c.model.remat = False            # recompute each block's activations in the backward pass
   c.model.attention = "dense"      # self-attention: dense | flash (a fused TPU kernel, for TPUs

@@ -80,23 +80,31 @@ def _dense(c, features: int, name: str, bias: bool = False) -> nn.Dense:
 class GroupedQueryAttention(nn.Module):
   """Causal self-attention with `num_kv_heads` key/value heads shared by groups of query heads.
   x [B, L, H], `allowed` [B or 1, L, L] bool (which keys each query may read), `positions`
-  [B or 1, L] (rotary) -> [B, L, H]."""
+  [B or 1, L] (rotary) -> [B, L, H].
+
+  With `memory` [B, S, H] and its `memory_positions` [B or 1, S], the keys and values are the
+  memory's (cross-attention; `allowed` [B or 1, L, S]): RETRO's CCA reading the decoder's own
+  states of the neighbours (`RetroConfig.cca_memory == "decoder"`)."""
   config: object
+  zero_out: bool = False  # o_proj starts at 0
 
   @nn.compact
   def __call__(self, x: Array, allowed: Array | None, positions: Array, segments: Array | None,
-               deterministic: bool) -> Array:
+               deterministic: bool, memory: Array | None = None,
+               memory_positions: Array | None = None) -> Array:
     c = self.config
     b, length, _ = x.shape
+    source, source_positions = (x, positions) if memory is None else (memory, memory_positions)
+    s = source.shape[1]
     nq, nkv, dh = c.num_heads, c.kv_heads, c.attention_head_dim
     q = _dense(c, nq * dh, "q_proj", c.attention_bias)(x).reshape(b, length, nkv, nq // nkv, dh)
-    k = _dense(c, nkv * dh, "k_proj", c.attention_bias)(x).reshape(b, length, nkv, dh)
-    v = _dense(c, nkv * dh, "v_proj", c.attention_bias)(x).reshape(b, length, nkv, dh)
+    k = _dense(c, nkv * dh, "k_proj", c.attention_bias)(source).reshape(b, s, nkv, dh)
+    v = _dense(c, nkv * dh, "v_proj", c.attention_bias)(source).reshape(b, s, nkv, dh)
     inv_freq = rope_frequencies(dh, c.rope_theta, c.rope_scaling)
     q = apply_rope(jnp.moveaxis(q, 1, -2), positions[:, None, None], inv_freq)  # [B, Nkv, G, L, Dh]
-    k = apply_rope(jnp.moveaxis(k, 1, -2), positions[:, None], inv_freq)        # [B, Nkv, L, Dh]
+    k = apply_rope(jnp.moveaxis(k, 1, -2), source_positions[:, None], inv_freq)  # [B, Nkv, S, Dh]
     v = jnp.moveaxis(v, 1, -2)
-    if c.attention == "flash":  # query heads in the order (key/value head, group), as below
+    if c.attention == "flash" and allowed is None:  # query heads ordered (kv head, group)
       ctx = flash.attend(q.reshape(b, nq, length, dh), k, v, segments)     # [B, N, L, Dh]
       ctx = jnp.moveaxis(ctx, 1, 2).reshape(b, length, nq * dh)
     else:
@@ -105,7 +113,10 @@ class GroupedQueryAttention(nn.Module):
       scores = jnp.where(allowed[:, None, None], scores, -1e9)
       probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
       ctx = jnp.einsum("bhgqk,bhkd->bqhgd", probs, v).reshape(b, length, nq * dh)
-    out = _dense(c, c.hidden_size, "o_proj", c.attention_out_bias)(ctx)
+    out = nn.Dense(c.hidden_size, use_bias=c.attention_out_bias, dtype=c.compute_dtype,
+                   param_dtype=jnp.float32, name="o_proj",
+                   kernel_init=nn.initializers.zeros if self.zero_out
+                   else nn.initializers.normal(c.initializer_range))(ctx)
     return nn.Dropout(c.dropout)(out, deterministic=deterministic)
 
 

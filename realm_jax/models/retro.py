@@ -75,12 +75,21 @@ class RetroConfig:
                                  # small beside what the encoder's layers add (docs/retro.md)
   attention: str = "dense"       # the decoder's self-attention: "dense" (softmax over [L, L]
                                  # scores) | "flash" (one fused TPU kernel: models/flash.py)
+  cca_memory: str = "encoder"    # what CCA reads: "encoder" (the paper's neighbour encoder) |
+                                 # "decoder" (llama: the decoder's own states of the neighbour
+                                 # text at the CCA's layer, read by an attention shaped like the
+                                 # layer's own, which a RETROfit starts as a copy of: no encoder)
 
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f"Unknown decoder family {self.family!r}: use one of {FAMILIES}.")
     if self.attention not in flash.ATTENTION:
       raise ValueError(f"Unknown attention {self.attention!r}: use one of {flash.ATTENTION}.")
+    if self.cca_memory not in CCA_MEMORY:
+      raise ValueError(f"Unknown cca_memory {self.cca_memory!r}: use one of {CCA_MEMORY}.")
+    if self.cca_memory == "decoder" and self.family != "llama":
+      raise ValueError("cca_memory='decoder' needs the llama family (its CCA is shaped like the "
+                       f"layer's grouped-query attention); family is {self.family!r}.")
     if self.attention == "flash" and self.sliding_window:
       raise ValueError(f"attention='flash' has no sliding window (sliding_window="
                        f"{self.sliding_window}): use attention='dense'.")
@@ -117,6 +126,7 @@ class RetroConfig:
 
 
 FAMILIES = ("gpt2", "llama")
+CCA_MEMORY = ("encoder", "decoder")
 
 
 def cca_layers(num_layers: int, start: int = 6, every: int = 3) -> tuple[int, ...]:
@@ -325,13 +335,26 @@ class ChunkedCrossAttention(nn.Module):
     shifted = jnp.pad(x[:, m - 1:], ((0, 0), (0, m - 1), (0, 0)))
     queries = shifted.reshape(b, num_chunks, m, h)                     # [B, C, m, H]
     memory = encoded.reshape(b, num_chunks, k * r, -1)                 # [B, C, K*R, He]
-    # Offsets within a neighbour (its token j against the query's place i in its chunk),
-    # the same for each of the K neighbours laid side by side.
-    bias = RelativeBias(c.num_heads, m - 1, r - 1, name="bias")(jnp.arange(m), jnp.arange(r))
-    bias = jnp.tile(bias, (1, 1, k))                                   # [N, m, K*R]
     key_mask = mask.reshape(b, num_chunks, k * r)
-    out = CrossAttention(c, c.hidden_size, zero_out=c.zero_init_cca, name="attn")(
-        queries, memory, key_mask, bias)                               # [B, C, m, H]
+    if c.cca_memory == "decoder":
+      # The layer's own kind of attention over the decoder's states of the neighbours, each
+      # neighbour placed just before the attending chunk (rotary positions 0..R-1, the queries
+      # R..R+m-1), as if it were earlier text of the same sequence.
+      attend = GroupedQueryAttention(c, zero_out=c.zero_init_cca, name="attn")
+      allowed = jnp.broadcast_to(key_mask.reshape(b * num_chunks, 1, k * r),
+                                 (b * num_chunks, m, k * r))
+      out = attend(queries.reshape(b * num_chunks, m, h), allowed, r + jnp.arange(m)[None],
+                   None, True, memory=memory.reshape(b * num_chunks, k * r, -1),
+                   memory_positions=jnp.tile(jnp.arange(r), k)[None])
+      out = out.reshape(b, num_chunks, m, h)
+      out = jnp.where(key_mask.any(-1)[..., None, None], out, 0)
+    else:
+      # Offsets within a neighbour (its token j against the query's place i in its chunk),
+      # the same for each of the K neighbours laid side by side.
+      bias = RelativeBias(c.num_heads, m - 1, r - 1, name="bias")(jnp.arange(m), jnp.arange(r))
+      bias = jnp.tile(bias, (1, 1, k))                                 # [N, m, K*R]
+      out = CrossAttention(c, c.hidden_size, zero_out=c.zero_init_cca, name="attn")(
+          queries, memory, key_mask, bias)                             # [B, C, m, H]
     if segments is not None:
       query_docs = jnp.pad(segments[:, m - 1:], ((0, 0), (0, m - 1)), constant_values=-1)
       own = query_docs.reshape(b, num_chunks, m) == segments[:, ::m, None]    # [B, C, m]
@@ -356,16 +379,20 @@ class DecoderBlock(nn.Module):
                deterministic: bool):
     """x [B, L, H]; allowed [B or 1, L, L] (`attention_mask`); positions [B or 1, L] (within
     each document, `token_positions`); segments [B, L] or None; neighbours: their word
-    embeddings [B, C, K, R, H] and mask [B, C, K, R]."""
+    embeddings [B, C, K, R, H] (with `cca_memory == "decoder"`: the decoder's states of them at
+    this layer's input) and mask [B, C, K, R]."""
     c = self.config
-    h = _decoder_norm(c, "ln_1")(x).astype(x.dtype)
+    ln_1 = _decoder_norm(c, "ln_1")
+    h = ln_1(x).astype(x.dtype)
     if c.family == "llama":
       x = x + GroupedQueryAttention(c, name="attn")(h, allowed, positions, segments, deterministic)
     else:
       x = x + CausalSelfAttention(c, name="attn")(h, allowed, segments, deterministic)
     if self.cca and neighbours is not None:
       b, length, h = x.shape
-      if self.encode:
+      if c.cca_memory == "decoder":   # `neighbours`: the decoder's states of them at this layer
+        encoded = ln_1(neighbours).astype(x.dtype)
+      elif self.encode:
         chunks = x.reshape(b, length // c.chunk_length, c.chunk_length, h)
         encoded = NeighbourEncoder(c, name="encoder")(neighbours, mask, chunks, deterministic)
       x = x + ChunkedCrossAttention(c, name="cca")(
@@ -426,10 +453,25 @@ class RetroModel(nn.Module):
     block = nn.remat(DecoderBlock, static_argnums=(8,)) if c.remat else DecoderBlock
     encoded, first = None, min(c.cca_layers, default=0)
     x = batch_split(x)
+    states = None
+    if embedded is not None and c.cca_memory == "decoder":
+      # Each neighbour (its chunk and continuation) is a sequence of its own through the
+      # decoder's layers, up to the input of the last CCA layer.
+      b, chunks, k, r, h = embedded.shape
+      states = batch_split(embedded.reshape(b * chunks * k, r, h))
+      state_allowed = (jnp.tril(jnp.ones((r, r), bool))[None]
+                       & mask.reshape(b * chunks * k, 1, r))
+      state_positions = jnp.arange(r)[None]
     for i in range(c.num_layers):
-      x, encoded, hidden = block(c, cca=i + 1 in c.cca_layers, encode=i + 1 == first,
-                                 name=f"h_{i}")(x, allowed, positions, segments, embedded, mask,
-                                                encoded, deterministic)
+      layer = block(c, cca=i + 1 in c.cca_layers, encode=i + 1 == first, name=f"h_{i}")
+      read = embedded
+      if states is not None:
+        read = states.reshape(embedded.shape)
+        if i + 1 < max(c.cca_layers):
+          states = batch_split(layer(states, state_allowed, state_positions, None, None, None,
+                                     None, deterministic)[0])
+      x, encoded, hidden = layer(x, allowed, positions, segments, read, mask, encoded,
+                                 deterministic)
       x = batch_split(x)  # (the layers' weights are gathered, not the batch: partitioning.py)
       encoded = None if encoded is None else batch_split(encoded)
     x = _decoder_norm(c, "ln_f")(x).astype(c.compute_dtype)

@@ -71,6 +71,7 @@ def model_fingerprint(config: RetroConfig, params, neighbours: bool = True) -> s
   if not neighbours and config.retrieval:
     flat = {k: v for k, v in flat.items() if is_decoder_param(k)}
     config = dataclasses.replace(config, cca_layers=(), zero_init_cca=False,
+                                 encoder_input_norm=False, cca_memory="encoder",
                                  encoder_layers=0, encoder_size=0, num_neighbours=0)
     what = ["without neighbours"]
   crc = arrays_crc32(*[np.asarray(flat[k], np.float32) for k in sorted(flat)])

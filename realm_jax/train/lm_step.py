@@ -52,7 +52,7 @@ def model_config(config, db, retrieval: bool) -> RetroConfig:
                      num_neighbours=c.num_neighbours, pad_id=db.tokenizer.pad_id,
                      dropout=c.dropout, dtype=c.dtype, remat=c.remat,
                      zero_init_cca=c.zero_init_cca, attention=c.attention,
-                     encoder_input_norm=c.encoder_input_norm)
+                     encoder_input_norm=c.encoder_input_norm, cca_memory=c.cca_memory)
 
 
 def decay_mask(params):
