@@ -30,7 +30,7 @@ from realm_jax import config_checks, distributed, sharding, workdir_lock
 from realm_jax.checkpoints import decoder, retro_export
 from realm_jax.data.retro_batches import retro_batches
 from realm_jax.models import flash
-from realm_jax.models.retro import RetroModel
+from realm_jax.models.retro import CCA_MEMORY, RetroModel
 from realm_jax.retrieval.chunk_db import RetroDb, build_database
 from realm_jax.train import loop, memory
 # The step and what it is made of live below the trainer (realm_jax/compile compiles it too).
@@ -79,15 +79,22 @@ def check_settings(config, workdir: str) -> None:
     raise ValueError("--config.freeze_decoder=True needs trained decoder weights: set "
                      "--config.init to smollm2, a .gguf file or a Hugging Face GPT-2 / Llama / "
                      "Mistral / Qwen2 directory (RETROfitting).")
-  config_checks.one_of(config, {"model.attention": flash.ATTENTION})
+  config_checks.one_of(config, {"model.attention": flash.ATTENTION,
+                                "model.cca_memory": CCA_MEMORY})
   if config.db.heldout_percent <= 0:
     raise ValueError(f"--config.db.heldout_percent={config.db.heldout_percent!r}: the models are "
                      "evaluated on held-out documents, and none would be held out: give a "
                      "percentage above 0 (the configs hold out 10).")
-  num_layers = config.model.num_layers
+  num_layers, family = config.model.num_layers, config.model.family
   if config.init != "random":  # the decoder's metadata alone (a missing one is refused here)
-    num_layers = decoder.decoder_settings(config.init, flag="--config.init")["num_layers"]
+    settings = decoder.decoder_settings(config.init, flag="--config.init")
+    num_layers, family = settings["num_layers"], settings["family"]
   _check_cca_layers(config, num_layers)
+  if config.model.cca_memory == "decoder" and family != "llama":
+    raise ValueError(f"--config.model.cca_memory=decoder reads the decoder's states with an "
+                     f"attention shaped like a Llama-family layer's, and this decoder is {family} "
+                     f"({'--config.init' if config.init != 'random' else '--config.model.family'})"
+                     ": use --config.model.cca_memory=encoder.")
 
 
 def _check_cca_layers(config, num_layers: int) -> None:
