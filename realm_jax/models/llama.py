@@ -72,9 +72,10 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
   return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def _dense(c, features: int, name: str, bias: bool = False) -> nn.Dense:
+def _dense(c, features: int, name: str, bias: bool = False, zero: bool = False) -> nn.Dense:
+  init = nn.initializers.zeros if zero else nn.initializers.normal(c.initializer_range)
   return nn.Dense(features, use_bias=bias, dtype=c.compute_dtype, param_dtype=jnp.float32,
-                  kernel_init=nn.initializers.normal(c.initializer_range), name=name)
+                  kernel_init=init, name=name)
 
 
 class GroupedQueryAttention(nn.Module):
@@ -83,7 +84,7 @@ class GroupedQueryAttention(nn.Module):
   [B or 1, L] (rotary) -> [B, L, H].
 
   With `memory` [B, S, H] and its `memory_positions` [B or 1, S], the keys and values are the
-  memory's (cross-attention; `allowed` [B or 1, L, S]): RETRO's CCA reading the decoder's own
+  memory's (cross-attention; `allowed` [B or 1, L or 1, S]): RETRO's CCA reading the decoder's own
   states of the neighbours (`RetroConfig.cca_memory == "decoder"`)."""
   config: object
   zero_out: bool = False  # o_proj starts at 0
@@ -113,10 +114,7 @@ class GroupedQueryAttention(nn.Module):
       scores = jnp.where(allowed[:, None, None], scores, -1e9)
       probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
       ctx = jnp.einsum("bhgqk,bhkd->bqhgd", probs, v).reshape(b, length, nq * dh)
-    out = nn.Dense(c.hidden_size, use_bias=c.attention_out_bias, dtype=c.compute_dtype,
-                   param_dtype=jnp.float32, name="o_proj",
-                   kernel_init=nn.initializers.zeros if self.zero_out
-                   else nn.initializers.normal(c.initializer_range))(ctx)
+    out = _dense(c, c.hidden_size, "o_proj", c.attention_out_bias, self.zero_out)(ctx)
     return nn.Dropout(c.dropout)(out, deterministic=deterministic)
 
 

@@ -341,8 +341,7 @@ class ChunkedCrossAttention(nn.Module):
       # neighbour placed just before the attending chunk (rotary positions 0..R-1, the queries
       # R..R+m-1), as if it were earlier text of the same sequence.
       attend = GroupedQueryAttention(c, zero_out=c.zero_init_cca, name="attn")
-      allowed = jnp.broadcast_to(key_mask.reshape(b * num_chunks, 1, k * r),
-                                 (b * num_chunks, m, k * r))
+      allowed = key_mask.reshape(b * num_chunks, 1, k * r)         # the same for every query
       out = attend(queries.reshape(b * num_chunks, m, h), allowed, r + jnp.arange(m)[None],
                    None, True, memory=memory.reshape(b * num_chunks, k * r, -1),
                    memory_positions=jnp.tile(jnp.arange(r), k)[None])
