@@ -143,6 +143,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     # the trained weights at 3% (4.4M). Each reads the frozen decoder's own states of the
     # neighbours at its layer, with q/k/v copied from that layer's attention: a trained neighbour
     # encoder collapsed to a constant here and its CCA learned no reading (docs/retro.md).
+    # encoder_layers / encoder_size: the neighbour encoder of --config.model.cca_memory=encoder.
     c.model.update(cca_layers=(6, 12, 18, 24, 30), cca_start=6, cca_every=6, encoder_layers=2,
                    encoder_size=288, zero_init_cca=True, cca_memory="decoder")
     c.init = "smollm2"
