@@ -292,3 +292,32 @@ def test_a_checkpoint_whose_array_metadata_does_not_read_is_passed_over_quietly(
   sys.unraisablehook(late)
   sys.unraisablehook(other)
   assert shown == [other]
+
+  # A read still waiting when the loop closes: its coroutine is closed, and orbax's
+  # `except BaseException` turns the GeneratorExit into an Exception. A real coroutine doing that,
+  # closed here as the loop closes it; an Exception from a coroutine for another reason still shows.
+  @types.coroutine
+  def tensorstore_read():
+    yield  # a read under way
+
+  async def read_array():
+    try:
+      await tensorstore_read()
+    except BaseException as e:
+      raise Exception("Encountered error while reading array index") from e
+
+  def closed_while_waiting(coroutine):
+    coroutine.send(None)  # now waiting for the read
+    try:
+      coroutine.close()
+    except Exception as e:  # noqa: BLE001  (what Python would report as unraisable)
+      return types.SimpleNamespace(exc_value=e, object=coroutine)
+    raise AssertionError("close() did not raise")
+
+  closed = closed_while_waiting(read_array())
+  assert isinstance(closed.exc_value.__cause__, GeneratorExit)
+  failed = types.SimpleNamespace(exc_value=Exception("a read failed"), object=read_array())
+  sys.unraisablehook(closed)
+  sys.unraisablehook(failed)
+  failed.object.close()
+  assert shown == [other, failed]

@@ -22,6 +22,7 @@ model (another config) is an error, never passed over.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -216,13 +217,18 @@ def _dropping_late_reads(previous):
   (of the arrays, or of their metadata: one per array), orbax closes its event loop while
   TensorStore's other reads are under way, and each of them, done, calls back into the closed
   loop; Python prints that RuntimeError's traceback at any time up to the exit, around the one
-  clear warning. Every other unraisable exception still prints."""
+  clear warning. A read still waiting is closed with the loop instead, and orbax turns the
+  GeneratorExit it gets into an Exception ("Encountered error while reading array index"), which
+  Python prints the same way. Every other unraisable exception still prints."""
   if getattr(previous, "drops_late_reads", False):
     return previous
 
   def hook(unraisable):
     e = unraisable.exc_value
-    if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+    late = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+    closed = (inspect.iscoroutine(unraisable.object) and isinstance(e, Exception)
+              and isinstance(e.__cause__, GeneratorExit))
+    if not (late or closed):
       previous(unraisable)
 
   hook.drops_late_reads = True
