@@ -5,8 +5,11 @@ side by side in one run on this machine, and what retrieval costs a RETROfit:
   train step    next-token loss, backward and AdamW over every decoder weight (no retrieval):
                 realm_jax (train/retro.py's loss and optimiser, jitted, state donated) vs
                 PyTorch (loss.backward(), torch.optim.AdamW)
-  RETROfit step the retrofit_smollm2 config's step (decoder frozen; 5 CCA layers and the 2-layer
-                neighbour encoder trained) vs realm_jax's forward: the cost of retrieval
+  RETROfit step the retrofit_smollm2 config's step (decoder frozen, 5 CCA layers trained), its
+                model built as retro_train.py builds it (train/lm_step.model_config): the default,
+                CCA reading the decoder's own states of the neighbours, and the paper's variant
+                (--config.model.cca_memory=encoder: a 2-layer neighbour encoder), each against
+                realm_jax's forward: the cost of retrieval
 
   python benchmarks/smollm2.py                     # B 8 x 256 tokens, the RETROfit's shapes
   python benchmarks/smollm2.py --batch=2 --repeats=2
@@ -19,10 +22,12 @@ benchmarks/results/smollm2.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import time
+import types
 
 import numpy as np
 
@@ -55,6 +60,7 @@ def main():
   from realm_jax.configs.retro import get_config
   from realm_jax.models.retro import RetroConfig, RetroModel
   from realm_jax.text.lm_tokenizer import smollm2_path
+  from realm_jax.train.lm_step import init_params, model_config
   from realm_jax.train.retro import optimizer, sequence_loss
 
   torch.set_num_threads(os.cpu_count())
@@ -103,16 +109,19 @@ def main():
 
   results["jax_train_step_s"] = _median_seconds(trainer(plain, params, False, False),
                                                 args.repeats)
-  model_cfg = RetroConfig(**settings, chunk_length=m, cca_layers=tuple(config.model.cca_layers),
-                          encoder_layers=config.model.encoder_layers,
-                          encoder_size=config.model.encoder_size, num_neighbours=k,
-                          pad_id=2, zero_init_cca=True)
-  retro = RetroModel(model_cfg)
-  init = jax.jit(lambda key: retro.init(key, batch["inputs"][:1], batch["neighbours"][:1])
-                 ["params"])(jax.random.key(0))
-  rparams = decoder.retrofit(init, weights)
-  results["jax_retrofit_step_s"] = _median_seconds(trainer(retro, rparams, True, True),
-                                                   args.repeats)
+  # The RETROfit's model as the trainer builds it from the config (its database stands in: the
+  # tokenizer and the chunking are all model_config reads of it).
+  db = types.SimpleNamespace(tokenizer=decoder.load_tokenizer(SMOLLM2), chunk_length=m,
+                             seq_chunks=length // m)
+  for memory in ("decoder", "encoder"):
+    cfg = get_config("retrofit_smollm2")
+    cfg.model.cca_memory = memory
+    retro = RetroModel(model_config(cfg, db, True))
+    init = jax.jit(functools.partial(init_params, retro, db.seq_chunks, True))(jax.random.key(0))
+    rparams = decoder.retrofit(init, weights)
+    results[f"jax_retrofit_{memory}_step_s"] = _median_seconds(
+        trainer(retro, rparams, True, True), args.repeats)
+    del rparams, init
 
   # Hugging Face PyTorch, the same GGUF.
   path = smollm2_path("--benchmark")
@@ -150,10 +159,13 @@ def main():
   for name, ours, theirs in rows:
     a, t = tokens_per_call / results[ours], tokens_per_call / results[theirs]
     print(f"| {name} | {a:,.0f} | {t:,.0f} | {a / t:.2f}x |")
-  cost = results["jax_retrofit_step_s"] / results["jax_forward_s"]
-  print(f"\nRETROfit step {results['jax_retrofit_step_s']:.2f} s "
-        f"({tokens_per_call / results['jax_retrofit_step_s']:,.0f} tokens/s) = {cost:.2f}x the "
-        f"frozen decoder's forward ({results['jax_forward_s']:.2f} s)")
+  print()
+  for memory, name in (("decoder", "the default, CCA reading the decoder's states"),
+                       ("encoder", "the paper's neighbour encoder")):
+    step = results[f"jax_retrofit_{memory}_step_s"]
+    print(f"RETROfit step ({name}): {step:.2f} s ({tokens_per_call / step:,.0f} tokens/s) = "
+          f"{step / results['jax_forward_s']:.2f}x the frozen decoder's forward "
+          f"({results['jax_forward_s']:.2f} s)")
   results.update(batch=b, length=length, repeats=args.repeats, cpu=cpu, cores=os.cpu_count(),
                  jax=jax.__version__, torch=torch.__version__)
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -353,6 +353,13 @@ def test_a_retrofit_starts_each_decoder_memory_cca_as_its_layers_attention():
   with_nb = module.apply({"params": params}, tokens, neighbours)
   np.testing.assert_allclose(np.asarray(with_nb), np.asarray(module.apply({"params": params},
                                                                           tokens)), atol=1e-6)
+  # Copies, not the same arrays twice: a step that donates the parameters (as the trainer's and
+  # benchmarks/smollm2.py's do) refused to donate one buffer twice.
+  leaves = jax.tree.leaves(params)
+  assert len({id(x) for x in leaves}) == len(leaves)
+  moved = jax.jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate_argnums=0)(params)
+  np.testing.assert_array_equal(moved["h_1"]["cca"]["attn"]["k_proj"]["kernel"],
+                                decoder["h_1"]["attn"]["k_proj"]["kernel"] + 1)
 
 
 def test_decoder_memory_needs_the_llama_family():

@@ -15,6 +15,7 @@ A source is
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import traverse_util
 
 from realm_jax.checkpoints.hf import CheckpointError, overlay
@@ -101,13 +102,14 @@ def retrofit(params: dict, decoder: dict, flag: str = "--config.init") -> dict:
 def _cca_from_attention(params: dict) -> dict:
   """A CCA layer shaped like its layer's attention (`RetroConfig.cca_memory == "decoder"`)
   starts as a copy of it: query, key and value projections (and biases) and the layer's input
-  norm as `ln_cca`; the output projection keeps its own start (0 with `zero_init_cca`)."""
+  norm as `ln_cca`; the output projection keeps its own start (0 with `zero_init_cca`). Copies
+  of their own: a step that donates the parameters cannot donate one array twice."""
   flat = traverse_util.flatten_dict(params)
   for path in list(flat):
     if len(path) == 5 and path[1:3] == ("cca", "attn") and path[3] in ("q_proj", "k_proj",
                                                                         "v_proj"):
-      flat[path] = flat[(path[0], "attn") + path[3:]]
+      flat[path] = jnp.array(flat[(path[0], "attn") + path[3:]], copy=True)
     elif len(path) == 3 and path[1:] == ("ln_cca", "scale") and (
         (path[0], "cca", "attn", "q_proj", "kernel") in flat):
-      flat[path] = flat[(path[0], "ln_1", "scale")]
+      flat[path] = jnp.array(flat[(path[0], "ln_1", "scale")], copy=True)
   return traverse_util.unflatten_dict(flat)
