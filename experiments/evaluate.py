@@ -5,12 +5,15 @@
   python experiments/evaluate.py --flagfile=... --recall_only=dense_untuned   # not read: faster
   python experiments/evaluate.py --flagfile=... --retrievers=ict=work/ict/export,dpr=work/dpr/export
       # more retrievers, each with its own index of the corpus, read by the same reader
+  python experiments/evaluate.py --flagfile=experiments/flags/finetune_mixture.flags \
+      --runs=nq_only=work/qa_wiki_vital --paired_with=nq_only
+      # another run's fine-tuned model over the same index (other questions), paired
   python experiments/evaluate.py --workdir=W --dataset=curated_trec:test --dataset_dir=DIR
       # another dataset's questions (CuratedTREC answers are regexes: matched, not compared)
 
 Reads the best checkpoint of --workdir (experiments/finetune.py), answers the --split part of the
 config's questions with each system (realm_jax/eval/report.py: fine-tuned, untuned dense retriever +
-same reader, BM25 + same reader, and each of --retrievers + same reader) and writes <workdir>/eval/<split>/predictions-<system>.jsonl and
+same reader, BM25 + same reader, each of --retrievers + same reader, each of --runs' models) and writes <workdir>/eval/<split>/predictions-<system>.jsonl and
 results.json, then prints EM and recall@k as a markdown table. A mixture's questions are evaluated
 per dataset: a table and a folder <workdir>/eval/<split>/<dataset>/ each.
 """
@@ -33,6 +36,7 @@ _SPLIT = flags.DEFINE_enum("split", "test", ["train", "dev", "test"], "Which par
 _SYSTEMS = flags.DEFINE_list("systems", list(report.SYSTEMS), "Systems to evaluate.")
 _RECALL_ONLY = flags.DEFINE_list("recall_only", [], "Systems evaluated for retrieval only (not read): faster.")
 _RETRIEVERS = flags.DEFINE_list("retrievers", [], "More systems: NAME=WEIGHTS, another retriever (an ICT or DPR export, any weights build_index.py takes) with an index of the same corpus (built once in <workdir>/retrievers/NAME), read by the same fine-tuned reader.")
+_RUNS = flags.DEFINE_list("runs", [], "More systems: NAME=WORKDIR, another fine-tuning run's best model (its question tower and its reader) over this run's index: same retrieval and reader settings, other questions or training (e.g. nq_only=work/qa_wiki_vital beside a mixture run).")
 _PAIRED_WITH = flags.DEFINE_string("paired_with", "", "One of the systems: every other one's difference from it in EM and recall@k, question by question, with 95% paired bootstrap intervals (a second table; vs_NAME in results.json).")
 _LIMIT = flags.DEFINE_integer("limit", 0, "Only the first N questions of each dataset (0 = all).")
 _DATASET = flags.DEFINE_string("dataset", "", "Instead of the config's split: all questions of NAME:SPLIT, e.g. curated_trec:test, web_questions:test, nq_open:dev.")
@@ -48,8 +52,10 @@ def main(argv):
   if _LIMIT.value < 0:  # a negative slice would silently drop the last questions
     raise ValueError(f"--limit={_LIMIT.value}: pass a number of questions >= 1, or 0 for all.")
   retrievers = report.parse_retrievers(_RETRIEVERS.value)
-  report.check_systems(_SYSTEMS.value, [r for r in _RECALL_ONLY.value if r not in retrievers])
-  report.check_paired_with(_PAIRED_WITH.value, [*_SYSTEMS.value, *retrievers])
+  runs = report.parse_runs(_RUNS.value, retrievers)
+  extra = [*retrievers, *runs]
+  report.check_systems(_SYSTEMS.value, [r for r in _RECALL_ONLY.value if r not in extra])
+  report.check_paired_with(_PAIRED_WITH.value, [*_SYSTEMS.value, *extra])
   for name, weights in retrievers.items():  # a missing directory fails before anything loads
     resolve(weights, flag=f"--retrievers={name}")
   config = open_qa.apply_init(_CONFIG.value or open_qa.load_workdir_config(workdir))
@@ -60,6 +66,8 @@ def main(argv):
   # that cannot be written.
   open_qa.check_index(workdir)
   open_qa.check_best(workdir)
+  for name, other in runs.items():
+    finetune.check_comparable_run(config, other, f"--runs={name}")
   name, _, split = _DATASET.value.partition(":")
   if _DATASET.value and not split:
     raise ValueError(f"--dataset={_DATASET.value!r}: use NAME:SPLIT, e.g. curated_trec:test.")
@@ -79,7 +87,7 @@ def main(argv):
   ks = tuple(config.ks)
   results = report.evaluate_by_dataset(setup, questions, _SYSTEMS.value, ks, out_dir,
                                        recall_only=_RECALL_ONLY.value, retrievers=retrievers,
-                                       paired_with=_PAIRED_WITH.value)
+                                       paired_with=_PAIRED_WITH.value, runs=runs)
   for name, table in results.items():
     label, where = (f"{part} {name}", os.path.join(out_dir, name)) if len(results) > 1 else (
         part, out_dir)

@@ -5,6 +5,7 @@ force dense search, BM25 search, has_answer / exact_match on the written predict
 
 import json
 import os
+import shutil
 
 import chex
 import jax
@@ -13,6 +14,7 @@ import pytest
 from conftest import NQ_OPEN, damaged_best_copy
 from test_qa_step import MODELS, make_batch, make_params
 
+from realm_jax.checkpoints import training as checkpoints
 from realm_jax.configs.finetune import get_config
 from realm_jax.data.qa_batches import answers_of
 from realm_jax.eval import report
@@ -270,6 +272,58 @@ def test_evaluate_systems_against_independent_computation(run, tmp_path):
       assert low <= diff + 1e-9 and diff <= high + 1e-9
     assert saved[name]["vs_dense_untuned"]["em"] == pytest.approx(list(d["em"]))
   assert "| bm25 | dense_untuned |" in report.format_table(results, ks)
+
+
+@pytest.mark.slow
+def test_another_runs_model_is_a_system_over_this_index(run, tmp_path):
+  """evaluate.py --runs: another work directory's kept model answers beside this run's systems.
+  Here that run kept a question tower of its own (this run's, perturbed) and the reader as it
+  started: its recall is that of a brute-force search with that tower, its answers those of a
+  system built here from its parameters; the run's own work directory given again answers as
+  `finetuned`, a paired difference of exactly 0."""
+  workdir, setup = run
+  other = tmp_path / "other"
+  other.mkdir()
+  shutil.copy(os.path.join(workdir, "config.json"), other / "config.json")
+  with pytest.raises(FileNotFoundError, match="best"):  # no kept model yet
+    finetune.check_comparable_run(setup.config, str(other), "--runs=other")
+  params, _ = setup.best_params()
+  rng = np.random.default_rng(0)
+  tower = jax.tree_util.tree_map(
+      lambda x: np.asarray(x) + rng.normal(0, 1, x.shape).astype(x.dtype) * (np.std(x) + 0.01),
+      params["query_tower"])
+  kept = {"query_tower": tower, "reader": setup.init_params["reader"]}
+  manager = checkpoints.checkpoint_manager(str(other / open_qa.BEST), keep=1, asynchronous=False,
+                                           data=False)
+  checkpoints.save(manager, 3, kept, {"step": 3}, force=True)
+  finetune.check_comparable_run(setup.config, str(other), "--runs=other")
+  questions = open_qa.split_questions(setup.config)["test"][:12]
+  texts = [q["question"] for q in questions]
+  ks = (1, 2, 5)
+  out = tmp_path / "eval"
+  results = report.evaluate_systems(
+      setup, questions, systems=("finetuned",), ks=ks, out_dir=str(out), progress=False,
+      runs={"other": str(other), "again": workdir}, paired_with="finetuned")
+  read = lambda name: [json.loads(line) for line in open(out / f"predictions-{name}.jsonl")]
+  assert [p["retrieved"] for p in read("other")] != [p["retrieved"] for p in read("finetuned")]
+  q = np.asarray(setup.models.query_tower.apply({"params": tower}, **setup.batcher.questions(texts)))
+  rows = np.argsort(-(q @ setup.table.T), axis=1, kind="stable")[:, :max(ks)]  # brute force
+  hit = np.array([[setup.batcher.has_answer(r, answers_of(x)[0], "text") for r in row]
+                  for x, row in zip(questions, rows)])
+  assert results["other"]["recall"] == pytest.approx(
+      {k: 100.0 * hit[:, :k].any(1).mean() for k in ks})
+  direct = setup.system(kept).answer(texts)
+  assert [p["answer"] for p in read("other")] == [a["answer"] for a in direct]
+  assert read("again") == read("finetuned")
+  assert results["again"]["vs_finetuned"]["em"] == (0.0, 0.0, 0.0)
+  # A run with another reader layout cannot be read over this one's batches: refused, named.
+  config = json.loads(open(other / "config.json").read())
+  config["reader_length"] += 32
+  (other / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="--runs=other.*reader_length"):
+    finetune.check_comparable_run(setup.config, str(other), "--runs=other")
+  with pytest.raises(FileNotFoundError, match="not a fine-tuning work directory"):
+    finetune.check_comparable_run(setup.config, str(tmp_path / "nothing"), "--runs=x")
 
 
 @pytest.mark.slow

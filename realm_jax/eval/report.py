@@ -62,19 +62,29 @@ def check_systems(systems, recall_only=()) -> None:
     raise ValueError(f"--systems / --recall_only: unknown {unknown}; use some of {SYSTEMS}.")
 
 
-def parse_retrievers(values) -> dict[str, str]:
-  """{name: weights} of `--retrievers=name=DIR,...` (ValueError naming the flag)."""
+def parse_named(values, flag: str, what: str, example: str, taken=()) -> dict[str, str]:
+  """{name: value} of `--<flag>=NAME=VALUE,...` (ValueError naming the flag): names unique and
+  none of SYSTEMS or `taken` (the systems of another flag)."""
   out = {}
   for value in values:
-    name, sep, weights = value.partition("=")
-    if not sep or not name or not weights:
-      raise ValueError(f"--retrievers={value!r}: give NAME=WEIGHTS, e.g. "
-                       "dpr=work/dpr_wiki_vital/export.")
-    if name in SYSTEMS or name in out:
-      raise ValueError(f"--retrievers: the name {name!r} is taken: pick one that is not in "
-                       f"{SYSTEMS} and not given twice.")
-    out[name] = weights
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+      raise ValueError(f"--{flag}={value!r}: give NAME={what}, e.g. {example}.")
+    if name in SYSTEMS or name in out or name in taken:
+      raise ValueError(f"--{flag}: the name {name!r} is taken: pick one that is not in "
+                       f"{SYSTEMS}, not another system's and not given twice.")
+    out[name] = path
   return out
+
+
+def parse_retrievers(values) -> dict[str, str]:
+  """{name: weights} of `--retrievers=name=DIR,...` (ValueError naming the flag)."""
+  return parse_named(values, "retrievers", "WEIGHTS", "dpr=work/dpr_wiki_vital/export")
+
+
+def parse_runs(values, retrievers=()) -> dict[str, str]:
+  """{name: workdir} of `--runs=name=WORKDIR,...`: other fine-tuning runs' best models."""
+  return parse_named(values, "runs", "WORKDIR", "nq_only=work/qa_wiki_vital", taken=retrievers)
 
 
 def standard_error(percent: float, count: int) -> float:
@@ -86,17 +96,20 @@ def standard_error(percent: float, count: int) -> float:
 def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: str | None = None,
                      params=None, progress: bool = True, recall_only=(),
                      retrievers: dict[str, str] | None = None, paired_with: str = "",
-                     bootstrap_samples: int = 10000) -> dict:
+                     bootstrap_samples: int = 10000, runs: dict[str, str] | None = None) -> dict:
   """{system: {"em", "recall": {k: %}, "count", "seconds"}} on `questions`; predictions and a
   results.json go to `out_dir` when given (an `out_dir` that cannot be written fails first).
   `params`: the fine-tuned parameters (default: the best checkpoint of the workdir). Systems in
   `recall_only` are not read (em None): reading is what takes the time on a CPU. `retrievers`:
   {name: weights} of more systems, each another retriever (its question tower and an index of
-  the same corpus it builds once) read by the same fine-tuned reader. `paired_with`: one of the
-  systems; every other one gets `vs_<it>` (`paired_differences`)."""
-  retrievers = dict(retrievers or {})
-  check_systems(systems, [r for r in recall_only if r not in retrievers])
-  check_paired_with(paired_with, [*systems, *retrievers])
+  the same corpus it builds once) read by the same fine-tuned reader. `runs`: {name: workdir} of
+  more systems, each another fine-tuning run's best model (its question tower and its reader)
+  over this index (finetune.check_comparable_run says whether it can be). `paired_with`: one of
+  the systems; every other one gets `vs_<it>` (`paired_differences`)."""
+  retrievers, runs = dict(retrievers or {}), dict(runs or {})
+  extra = [*retrievers, *runs]
+  check_systems(systems, [r for r in recall_only if r not in extra])
+  check_paired_with(paired_with, [*systems, *extra])
   if out_dir:
     check_writable(out_dir)
   if params is None:
@@ -104,9 +117,13 @@ def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: 
     logging.info("Fine-tuned model: %s", meta)
   untuned = {"query_tower": setup.init_params["query_tower"], "reader": params["reader"]}
   results, per_question = {}, {}
-  for name in [*systems, *retrievers]:
+  for name in [*systems, *extra]:
     if name in retrievers:
       system = setup.retriever_system(name, retrievers[name], params["reader"])
+    elif name in runs:
+      other, meta = setup.best_params(runs[name])
+      logging.info("%s: the fine-tuned model of %s: %s", name, runs[name], meta)
+      system = setup.system(other)
     else:
       system = setup.system(untuned if name == "dense_untuned" else params)
     bm25 = bm25_of(setup) if name == "bm25" else None

@@ -196,18 +196,20 @@ class QaSetup:
                   index, table_by_row(self.corpus, index), reader_blocks=self.config.reader_blocks,
                   batch_size=self.config.eval_batch_size)
 
-  def best_params(self) -> tuple[dict, dict]:
-    """(parameters, meta) of the best checkpoint in `workdir/best`; FileNotFoundError if none,
-    ValueError if it is damaged (an older one that reads is used instead, with a warning; nothing
-    is moved: this only reads)."""
-    manager = checkpoints.checkpoint_manager(os.path.join(self.workdir, BEST), keep=1,
+  def best_params(self, workdir: str | None = None) -> tuple[dict, dict]:
+    """(parameters, meta) of the best checkpoint in `workdir/best` (default: this setup's);
+    another run's must have this setup's shapes (finetune.check_comparable_run says so first).
+    FileNotFoundError if none, ValueError if it is damaged (an older one that reads is used
+    instead, with a warning; nothing is moved: this only reads)."""
+    workdir = workdir or self.workdir
+    manager = checkpoints.checkpoint_manager(os.path.join(workdir, BEST), keep=1,
                                              asynchronous=False, data=False)
     got = checkpoints.restore_latest(manager, self.init_params, set_aside=False, hint=(
         f"Restore {manager.directory} from a backup, or fine-tune again with another --workdir."))
     if got is None:
       raise FileNotFoundError(
-          f"{self.workdir}/{BEST} holds no fine-tuned model: run experiments/finetune.py "
-          f"--workdir={self.workdir} first.")
+          f"{workdir}/{BEST} holds no fine-tuned model: run experiments/finetune.py "
+          f"--workdir={workdir} first.")
     return got
 
 

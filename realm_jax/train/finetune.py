@@ -39,7 +39,8 @@ from realm_jax.io_utils import as_path, read_json
 from realm_jax.retrieval import build
 from realm_jax.retrieval.index import index_options
 from realm_jax.checkpoints import training as checkpoints
-from realm_jax.systems.open_qa import BEST, QaSetup, apply_init, load_reader, split_questions
+from realm_jax.systems.open_qa import (BEST, QaSetup, apply_init, check_best, load_reader,
+                                       split_questions)
 from realm_jax.train import loop, optimizer
 from realm_jax.train.qa_step import qa_train_step, summarize_qa
 
@@ -68,6 +69,27 @@ def check_evaluated_config(config, workdir: str) -> None:
     raise ValueError(
         f"{workdir} was fine-tuned with another config ({settings}): leave out --config and "
         f"--flagfile to use {path}, or pass the settings it was made with.")
+
+
+def check_comparable_run(config, other: str, flag: str) -> None:
+  """Refuses another fine-tuning work directory (`other`, given as `flag`) whose best model cannot
+  be read as a system beside this run's: it must have a model and the same `FIXED_SETTINGS` but
+  its questions (the same index, reader shapes and layout). Names each setting that differs."""
+  path = os.path.join(other, "config.json")
+  if not as_path(path).exists():
+    raise FileNotFoundError(f"{flag}: {path} does not exist: {other} is not a fine-tuning work "
+                            "directory. Give one that experiments/finetune.py made.")
+  old = _leaves({**loop.ADDED_SETTINGS, **read_json(path)})
+  new = _leaves(json.loads(config.to_json()))
+  diff = [(k, was, new.get(k)) for k, was in old.items()
+          if k.split(".")[0] in FIXED_SETTINGS and k.split(".")[0] != "data"
+          and was != new.get(k)]
+  if diff:
+    settings = "; ".join(f"{k}={was!r} there, {now!r} here" for k, was, now in diff)
+    raise ValueError(f"{flag}: {other} was fine-tuned with another index or model ({settings}): "
+                     "only runs that differ in their questions (config.data) and training "
+                     "are compared over one index.")
+  check_best(other)
 
 
 def _leaves(config: dict, prefix: str = "") -> dict:
