@@ -288,6 +288,33 @@ def test_ngram_overlap_and_buckets_by_hand():
   assert (retro_eval.overlap_buckets(seq, nb, m, pad_id=0)[15:31] == 0).all()
 
 
+def test_overlap_rows_keep_each_systems_own_buckets():
+  """A system that read other neighbours has its tokens in other overlap buckets: each row keeps
+  every system's tokens, bytes and bits per byte, and the table gives each bucketing its own
+  tokens column (hand-computed: 2 documents, 6 bucket slots)."""
+  ln2 = math.log(2)
+  def system(tokens, nll):
+    tokens = np.array(tokens, np.float64)
+    return {"nll_doc": np.array([2.0, 4.0]) * ln2, "nll_bucket": np.array(nll) * ln2,
+            "bytes_bucket": tokens * 2, "tokens_bucket": tokens}
+  systems = {"retro": system([1, 2, 0, 0, 0, 1], [1, 2, 0, 0, 0, 3]),
+             "retro_no_neighbours": system([1, 2, 0, 0, 0, 1], [1, 4, 0, 0, 0, 1]),
+             "retro_other_neighbours": system([1, 3, 0, 0, 0, 0], [1, 5, 0, 0, 0, 0])}
+  report = retro_eval._report(systems, np.array([4.0, 4.0]), np.array([2.0, 2.0]))
+  rows = report["overlap"]
+  assert [r["tokens"]["retro"] for r in rows] == [1, 2, 0, 0, 0, 1]
+  assert [r["tokens"]["retro_other_neighbours"] for r in rows] == [1, 3, 0, 0, 0, 0]
+  assert rows[1]["bits_per_byte"] == {"retro": 0.5, "retro_no_neighbours": 1.0,
+                                      "retro_other_neighbours": 5 / 6}
+  assert rows[5]["bits_per_byte"]["retro_other_neighbours"] is None
+  assert rows[5]["bytes"]["retro"] == 2.0
+  table = retro_eval.markdown(report).split("Bits per byte by the 8-gram")[1].splitlines()
+  assert table[2] == ("| overlap | tokens | retro | retro_no_neighbours | tokens | "
+                      "retro_other_neighbours |")
+  assert table[5] == "| 0% | 2 | 0.5000 | 1.0000 | 3 | 0.8333 |"
+  assert table[-1] == "| (75, 100%] | 1 | 1.5000 | 0.5000 | 0 | - |"
+
+
 def _heldout_nll(export, db, retrieval):
   """(summed nats, scored targets, nats per held-out document) of an export over every held-out
   sequence, one at a time."""
@@ -341,11 +368,11 @@ def test_eval_json_equals_a_recomputation_over_every_heldout_sequence(db, traine
         (per_doc[a] - per_doc[b]) / LN2, doc_bytes)[1], rtol=1e-3, atol=1e-7)
   # The overlap rows split the same tokens and bytes.
   rows = report["overlap"]
-  assert sum(r["tokens"] for r in rows) == report["tokens"]
-  np.testing.assert_allclose(sum(r["bytes"] for r in rows), report["bytes"], rtol=1e-5)
   assert rows[0]["overlap"] == retro_eval.NO_NEIGHBOURS
   for label in systems:
-    bits = sum(r[label] * r["bytes"] for r in rows if r["tokens"])
+    assert sum(r["tokens"][label] for r in rows) == report["tokens"]
+    np.testing.assert_allclose(sum(r["bytes"][label] for r in rows), report["bytes"], rtol=1e-5)
+    bits = sum(r["bits_per_byte"][label] * r["bytes"][label] for r in rows if r["tokens"][label])
     np.testing.assert_allclose(bits / report["bytes"], report["models"][label]["bits_per_byte"],
                                rtol=1e-5)
 

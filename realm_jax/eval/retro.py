@@ -216,14 +216,17 @@ def _report(systems: dict, doc_bytes: np.ndarray, doc_tokens: np.ndarray) -> dic
       diffs[f"{a} - {b}"] = {"bits_per_byte": d, "se": se,
                              "ci95": [d - 1.96 * se, d + 1.96 * se]}
   names = (NO_NEIGHBOURS, *(b[2] for b in BUCKETS))
-  first = next(iter(systems.values()))
+  # Each system's tokens are bucketed by the neighbours it read: systems that read other
+  # neighbours (another document's, or with the held-out text in the database) have buckets of
+  # their own, so every row keeps each system's tokens and bytes.
   overlap = []
   for i, name in enumerate(names):
-    row = {"overlap": name, "tokens": int(first["tokens_bucket"][i]),
-           "bytes": float(first["bytes_bucket"][i])}
+    row = {"overlap": name, "tokens": {}, "bytes": {}, "bits_per_byte": {}}
     for label, s in systems.items():
-      row[label] = (float(s["nll_bucket"][i] / LN2 / s["bytes_bucket"][i])
-                    if s["bytes_bucket"][i] else None)
+      row["tokens"][label] = int(s["tokens_bucket"][i])
+      row["bytes"][label] = float(s["bytes_bucket"][i])
+      row["bits_per_byte"][label] = (float(s["nll_bucket"][i] / LN2 / s["bytes_bucket"][i])
+                                     if s["bytes_bucket"][i] else None)
     overlap.append(row)
   return {"documents": len(doc_bytes), "tokens": int(doc_tokens.sum()),
           "bytes": int(doc_bytes.sum()), "models": models, "differences": diffs,
@@ -243,14 +246,32 @@ def markdown(report: dict) -> str:
     lo, hi = d["bits_per_byte"] - 1.96 * d["se"], d["bits_per_byte"] + 1.96 * d["se"]
     lines.append(f"| {label} | {d['bits_per_byte']:+.5f} | {d['se']:.5f} | "
                  f"[{lo:+.5f}, {hi:+.5f}] |")
-  labels = list(report["models"])
+  groups = _bucketings(report)
+  head, rule = ["overlap"], ["---"]
+  for labels in groups:
+    head += ["tokens", *labels]
+    rule += ["---"] * (1 + len(labels))
   lines += ["", "Bits per byte by the 8-gram overlap of the predicted tokens with the neighbours "
-            "they read:", "", "| overlap | tokens | " + " | ".join(labels) + " |",
-            "| --- | --- | " + " | ".join("---" for _ in labels) + " |"]
+            "they read (each tokens column counts the tokens of the systems after it, bucketed "
+            "by the neighbours they read):", "", "| " + " | ".join(head) + " |",
+            "| " + " | ".join(rule) + " |"]
   for row in report["overlap"]:
-    cells = ["-" if row[l] is None else f"{row[l]:.4f}" for l in labels]
-    lines.append(f"| {row['overlap']} | {row['tokens']:,} | " + " | ".join(cells) + " |")
+    cells = [row["overlap"]]
+    for labels in groups:
+      bpb = row["bits_per_byte"]
+      cells += [f"{row['tokens'][labels[0]]:,}",
+                *("-" if bpb[l] is None else f"{bpb[l]:.4f}" for l in labels)]
+    lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
+
+
+def _bucketings(report: dict) -> list[list[str]]:
+  """The systems grouped by their overlap buckets (the same tokens in every row), in order."""
+  groups: dict[tuple, list[str]] = {}
+  for label in report["models"]:
+    counts = tuple(row["tokens"][label] for row in report["overlap"])
+    groups.setdefault(counts, []).append(label)
+  return list(groups.values())
 
 
 def plot(report: dict, path: str) -> str:
@@ -266,9 +287,10 @@ def plot(report: dict, path: str) -> str:
   ax1.set_ylim(min(values) * 0.95, max(values) * 1.03)
   ax1.set_ylabel("held-out bits per byte")
   ax1.set_title("held-out documents")
-  rows = [r for r in report["overlap"] if r["tokens"]]
   for label in labels:
-    ax2.plot([r["overlap"] for r in rows], [r[label] for r in rows], marker="o", label=label)
+    rows = [r for r in report["overlap"] if r["tokens"][label]]
+    ax2.plot([r["overlap"] for r in rows], [r["bits_per_byte"][label] for r in rows], marker="o",
+             label=label)
   ax2.set_xlabel("8-gram overlap of the predicted chunk with its neighbours")
   ax2.set_ylabel("bits per byte")
   ax2.tick_params(axis="x", labelrotation=20)
