@@ -3,7 +3,8 @@ side by side in one run on this machine, and what retrieval costs a RETROfit:
 
   forward       logits of B x L tokens: realm_jax (jit, float32) vs PyTorch (no_grad, float32)
   train step    next-token loss, backward and AdamW over every decoder weight (no retrieval):
-                realm_jax (train/retro.py's loss and optimiser, jitted, state donated) vs
+                realm_jax (the trainer's step, train/lm_step.train_step: its loss, guarded AdamW
+                update and gradient norm, jitted, state donated) vs
                 PyTorch (loss.backward(), torch.optim.AdamW)
   RETROfit step the retrofit_smollm2 config's step (decoder frozen, 5 CCA layers trained), its
                 model built as retro_train.py builds it (train/lm_step.model_config): the default,
@@ -51,7 +52,6 @@ def main():
   args = parser.parse_args()
 
   import jax
-  import jax.numpy as jnp
   import torch
   import transformers
 
@@ -60,8 +60,8 @@ def main():
   from realm_jax.configs.retro import get_config
   from realm_jax.models.retro import RetroConfig, RetroModel
   from realm_jax.text.lm_tokenizer import smollm2_path
-  from realm_jax.train.lm_step import init_params, model_config
-  from realm_jax.train.retro import optimizer, sequence_loss
+  from realm_jax.train.lm_step import init_params, model_config, optimizer, train_step
+  from realm_jax.train.realm_step import TrainState
 
   torch.set_num_threads(os.cpu_count())
   b, length = args.batch, args.length
@@ -87,24 +87,20 @@ def main():
       lambda: jax.block_until_ready(fwd(params, batch["inputs"], batch["segments"])), args.repeats)
 
   def trainer(module, params, retrieval, freeze):
+    """The trainer's own step (train/lm_step.train_step: loss, guarded AdamW update, grad norm),
+    jitted with its state donated as the loop does; dropout as the config says (0: none)."""
     cfg = get_config("retrofit_smollm2")
     cfg.freeze_decoder, cfg.num_steps = freeze, 100
     _, tx = optimizer(cfg, params)
-    state = (params, tx.init(params))
-
-    def step(state, batch):
-      p, opt = state
-      def loss(q):
-        return sequence_loss(module, decoder.freeze(q) if freeze else q, batch, retrieval)[0]
-      grads = jax.grad(loss)(p)
-      updates, opt = tx.update(grads, opt, p)
-      return (jax.tree.map(jnp.add, p, updates), opt)
-    step = jax.jit(step, donate_argnums=0)
-    box = [state]
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    step = jax.jit(functools.partial(train_step, module=module, retrieval=retrieval,
+                                     freeze_decoder=freeze, dropout=cfg.model.dropout > 0),
+                   donate_argnums=0)
+    box, rng = [state], jax.random.key(0)
 
     def run():
-      box[0] = step(box[0], batch)
-      jax.block_until_ready(box[0])
+      box[0], out = step(box[0], batch, rng)
+      jax.block_until_ready((box[0], out))
     return run
 
   results["jax_train_step_s"] = _median_seconds(trainer(plain, params, False, False),
