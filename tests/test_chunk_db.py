@@ -522,6 +522,15 @@ def test_lm_tokenizer_files(tmp_path):
   assert (tok.eos_id, tok.pad_id, tok.vocab_size, tok.bert_vocab) == (2, 1, 6, None)
   assert tok.name.startswith("tokenizer.json:") and tok.decode([3, 4, 2, 1]) == "the cat"
   assert load_lm_tokenizer(_word_level(tmp_path, "</s>"), "").eos_id == 2
+  # Llama 3's tokenizer.json: <|begin_of_text|>, <|end_of_text|>, <|eot_id|>, ... and no <pad>:
+  # documents end with <|end_of_text|>; padding is the first other special token.
+  from tokenizers import Tokenizer, models
+  names = ["the", "cat", "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+  llama3 = Tokenizer(models.WordLevel({w: i for i, w in enumerate(names)}, unk_token="the"))
+  llama3.add_special_tokens(names[2:])
+  llama3.save(str(tmp_path / "llama3.json"))
+  tok = load_lm_tokenizer(str(tmp_path / "llama3.json"), "")
+  assert (tok.eos_id, tok.pad_id) == (3, 2)
   with pytest.raises(ValueError, match=r"--config.db.tokenizer_file=.*none of the end-of-text"):
     load_lm_tokenizer(_word_level(tmp_path, "<end>"), "")
   with pytest.raises(ValueError, match=r"tokenizer_file=/no/such.json: the file cannot be read"):

@@ -32,7 +32,8 @@ from realm_jax.text.tokenizer import BertTokenizer, checkpoint_normalization
 SMOLLM2 = "smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # What ends a document in a tokenizer.json, first match wins.
-EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
+# The document separators of GPT-2 / Qwen2, Llama 3, Llama 2 / Mistral, Gemma, BERT.
+EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 PAD_TOKENS = ("<pad>", "[PAD]")
 
 
