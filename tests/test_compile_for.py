@@ -3,6 +3,7 @@ model FLOPs against a hand count, the same compile path on the suite's 8 CPU dev
 that come before any compiling, and (when libtpu is installed) the tiny RETRO step compiled for a
 v5e-8 slice."""
 
+import functools
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from conftest import ROOT
 from realm_jax import sharding
 from realm_jax.compile import aot, hlo, steps, topology
 from realm_jax.configs import retro as retro_configs
+from realm_jax.models.retro import RetroModel
 
 needs_libtpu = pytest.mark.skipif(
     not topology.libtpu_installed(),
@@ -181,6 +183,28 @@ def _tiny_retro():
   c.models = ("retro",)
   c.db.update(chunk_length=8, seq_chunks=2)
   return c
+
+
+def test_the_llama3_8b_stand_in_builds_a_model_of_its_published_size(tmp_path):
+  """benchmarks/llama3_8b_shapes.py: its directory goes through the decoder resolver and the
+  trainer's model config as a real Llama-3-8B directory would, and the decoder it builds has
+  Meta-Llama-3-8B's 8,030,261,248 parameters (by hand: two 128,256 x 4,096 embeddings, 32 layers
+  of q/o 4,096^2, k/v 4,096 x 1,024, SwiGLU 3 x 4,096 x 14,336 and two norms, a final norm)."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import llama3_8b_shapes
+  from realm_jax.train import lm_step
+  out = llama3_8b_shapes.write(str(tmp_path / "llama3"))
+  c = retro_configs.get_config("retrofit_smollm2")
+  c.init, c.db.tokenizer_file = out, os.path.join(out, "tokenizer.json")
+  db = steps.retro_database_shape(c)
+  assert (db.tokenizer.vocab_size, db.tokenizer.eos_id) == (128256, 128001)
+  model = lm_step.model_config(c, db, retrieval=False)
+  assert (model.hidden_size, model.num_layers, model.num_heads, model.num_kv_heads,
+          model.mlp_size, model.rope_theta) == (4096, 32, 32, 8, 14336, 500000.0)
+  params = jax.eval_shape(functools.partial(lm_step.init_params, RetroModel(model), db.seq_chunks,
+                                            False), jax.random.key(0))
+  layer = 2 * 4096 ** 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+  assert steps.count(params) == 2 * 128256 * 4096 + 32 * layer + 4096 == 8_030_261_248
 
 
 def test_tiny_retro_step_compiles_on_the_cpu_devices():
