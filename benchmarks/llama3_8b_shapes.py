@@ -34,7 +34,8 @@ ORDINARY = 128_000
 
 
 def write(out: str) -> str:
-  """Writes config.json and tokenizer.json into `out` (made if missing); returns `out`."""
+  """Writes config.json, tokenizer.json and model.safetensors.index.json into `out` (made if
+  missing); returns `out`."""
   from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
   specials = ["<|begin_of_text|>", "<|end_of_text|>",
               *(f"<|reserved_special_token_{i}|>" for i in range(CONFIG["vocab_size"] - ORDINARY - 2))]

@@ -96,14 +96,14 @@ def standard_error(percent: float, count: int) -> float:
 def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: str | None = None,
                      params=None, progress: bool = True, recall_only=(),
                      retrievers: dict[str, str] | None = None, paired_with: str = "",
-                     bootstrap_samples: int = 10000, runs: dict[str, str] | None = None) -> dict:
+                     bootstrap_samples: int = 10000, runs: dict | None = None) -> dict:
   """{system: {"em", "recall": {k: %}, "count", "seconds"}} on `questions`; predictions and a
   results.json go to `out_dir` when given (an `out_dir` that cannot be written fails first).
   `params`: the fine-tuned parameters (default: the best checkpoint of the workdir). Systems in
   `recall_only` are not read (em None): reading is what takes the time on a CPU. `retrievers`:
   {name: weights} of more systems, each another retriever (its question tower and an index of
-  the same corpus it builds once) read by the same fine-tuned reader. `runs`: {name: workdir} of
-  more systems, each another fine-tuning run's best model (its question tower and its reader)
+  the same corpus it builds once) read by the same fine-tuned reader. `runs`: {name: workdir, or
+  its parameters already read (`run_params`)} of more systems, each another fine-tuning run's best model (its question tower and its reader)
   over this index (finetune.check_comparable_run says whether it can be). `paired_with`: one of
   the systems; every other one gets `vs_<it>` (`paired_differences`)."""
   retrievers, runs = dict(retrievers or {}), dict(runs or {})
@@ -121,9 +121,7 @@ def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: 
     if name in retrievers:
       system = setup.retriever_system(name, retrievers[name], params["reader"])
     elif name in runs:
-      other, meta = setup.best_params(runs[name])
-      logging.info("%s: the fine-tuned model of %s: %s", name, runs[name], meta)
-      system = setup.system(other)
+      system = setup.system(run_params(setup, {name: runs[name]})[name])
     else:
       system = setup.system(untuned if name == "dense_untuned" else params)
     bm25 = bm25_of(setup) if name == "bm25" else None
@@ -149,8 +147,21 @@ def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: 
   return results
 
 
+def run_params(setup, runs: dict) -> dict:
+  """{name: parameters} of `runs` ({name: a work directory's kept model, or its parameters
+  already read})."""
+  out = {}
+  for name, run in runs.items():
+    if isinstance(run, str):
+      run, meta = setup.best_params(run)
+      logging.info("%s: the fine-tuned model of %s: %s", name, runs[name], meta)
+    out[name] = run
+  return out
+
+
 def evaluate_by_dataset(setup, questions, systems=SYSTEMS, ks=(1, 5, 20),
-                        out_dir: str | None = None, params=None, **kwargs) -> dict[str, dict]:
+                        out_dir: str | None = None, params=None, runs=None,
+                        **kwargs) -> dict[str, dict]:
   """{dataset: `evaluate_systems` on its questions} for questions of one dataset or of several
   (their "dataset"), each dataset's predictions and results.json in out_dir/<dataset> when there
   are several, in out_dir itself when there is one."""
@@ -158,11 +169,12 @@ def evaluate_by_dataset(setup, questions, systems=SYSTEMS, ks=(1, 5, 20),
   if params is None:
     params, meta = setup.best_params()
     logging.info("Fine-tuned model: %s", meta)
+  runs = run_params(setup, runs or {})  # read once, not once per dataset
   out = {}
   for name, rows in groups.items():
     where = out_dir and (os.path.join(out_dir, name) if len(groups) > 1 else out_dir)
     out[name] = evaluate_systems(setup, [questions[i] for i in rows], systems, ks, where,
-                                 params=params, **kwargs)
+                                 params=params, runs=runs, **kwargs)
   return out
 
 

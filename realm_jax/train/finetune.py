@@ -60,10 +60,7 @@ def check_evaluated_config(config, workdir: str) -> None:
   if not as_path(path).exists():
     return  # not a fine-tuning work directory: check_best says so
   # A setting the run predates: its loop.ADDED_SETTINGS value, or (nested) left out.
-  old = _leaves({**loop.ADDED_SETTINGS, **read_json(path)})
-  new = _leaves(json.loads(config.to_json()))
-  diff = [(k, was, new.get(k)) for k, was in old.items()
-          if k.split(".")[0] in FIXED_SETTINGS and was != new.get(k)]
+  diff = _fixed_diff(config, path)
   if diff:
     settings = "; ".join(f"--config.{k}={now!r} here, {was!r} there" for k, was, now in diff)
     raise ValueError(
@@ -79,17 +76,25 @@ def check_comparable_run(config, other: str, flag: str) -> None:
   if not as_path(path).exists():
     raise FileNotFoundError(f"{flag}: {path} does not exist: {other} is not a fine-tuning work "
                             "directory. Give one that experiments/finetune.py made.")
-  old = _leaves({**loop.ADDED_SETTINGS, **read_json(path)})
-  new = _leaves(json.loads(config.to_json()))
-  diff = [(k, was, new.get(k)) for k, was in old.items()
-          if k.split(".")[0] in FIXED_SETTINGS and k.split(".")[0] != "data"
-          and was != new.get(k)]
+  diff = _fixed_diff(config, path, FIXED_SETTINGS_BUT_DATA)
   if diff:
     settings = "; ".join(f"{k}={was!r} there, {now!r} here" for k, was, now in diff)
     raise ValueError(f"{flag}: {other} was fine-tuned with another index or model ({settings}): "
                      "only runs that differ in their questions (config.data) and training "
                      "are compared over one index.")
   check_best(other)
+
+
+FIXED_SETTINGS_BUT_DATA = tuple(s for s in FIXED_SETTINGS if s != "data")
+
+
+def _fixed_diff(config, path: str, fixed=FIXED_SETTINGS) -> list[tuple]:
+  """[(setting, value in the config.json at `path`, value in `config`)] of the `fixed` settings
+  that differ; a setting the saved run predates counts as its loop.ADDED_SETTINGS value."""
+  old = _leaves({**loop.ADDED_SETTINGS, **read_json(path)})
+  new = _leaves(json.loads(config.to_json()))
+  return [(k, was, new.get(k)) for k, was in old.items()
+          if k.split(".")[0] in fixed and was != new.get(k)]
 
 
 def _leaves(config: dict, prefix: str = "") -> dict:
