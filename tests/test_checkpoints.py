@@ -321,3 +321,57 @@ def test_a_checkpoint_whose_array_metadata_does_not_read_is_passed_over_quietly(
   sys.unraisablehook(failed)
   failed.object.close()
   assert shown == [other, failed]
+
+
+def test_gathered_reads_of_a_damaged_checkpoint_are_not_logged_when_collected(tmp_path, caplog):
+  """When one read of a damaged step fails, orbax gives up on the reads gathered with it, and
+  asyncio logs each gathering future it finalises ("_GatheringFuture exception was never
+  retrieved", a page of TensorStore spec) whenever the collector gets to it: `ask` printed two
+  after its `error:` line once. After such a restore they are dropped; any other future's error
+  is still logged. Real futures of a real event loop, collected here."""
+  import asyncio
+  import gc
+  import logging
+
+  import jax.numpy as jnp
+  from realm_jax.checkpoints import training as checkpoints
+  directory = tmp_path / "checkpoints"
+  state = {f"a{i}": jnp.full(8, float(i)) for i in range(4)}
+  manager = checkpoints.checkpoint_manager(str(directory), asynchronous=False, data=False)
+  for step in (2, 4):
+    checkpoints.save(manager, step, state, {"step": step})
+  manifest = directory / "4" / "state" / "manifest.ocdbt"
+  manifest.write_bytes(bytes(len(manifest.read_bytes())))
+  _, meta = checkpoints.restore_latest(manager, state, set_aside=False)
+  assert meta == {"step": 2}
+
+  async def read_array():  # orbax's wrapping of a TensorStore read error
+    try:
+      raise ValueError("FAILED_PRECONDITION: Truncated Zstd-compressed stream")
+    except ValueError as e:
+      raise Exception("Encountered error while reading array index") from e
+
+  async def something_else():
+    raise RuntimeError("not a read")
+
+  async def gathered(coroutine):
+    future = asyncio.gather(coroutine)
+    while not future.done():
+      await asyncio.sleep(0)
+    return future  # done, its exception never retrieved
+
+  def gathered_and_dropped(coroutine):
+    loop = asyncio.new_event_loop()
+    try:
+      future = loop.run_until_complete(gathered(coroutine))
+    finally:
+      loop.close()
+    assert future.done()
+    del future
+    gc.collect()
+
+  caplog.set_level(logging.ERROR, logger="asyncio")
+  gathered_and_dropped(read_array())
+  gathered_and_dropped(something_else())
+  logged = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+  assert len(logged) == 1 and isinstance(logged[0].exc_info[1], RuntimeError), logged

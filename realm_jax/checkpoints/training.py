@@ -84,6 +84,9 @@ def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None, *,
   damaged = []  # (step, problem), newest first
   previous = sys.unraisablehook
   sys.unraisablehook = _dropping_late_reads(previous)
+  late_reads = _LateReadsFilter()
+  asyncio_log = logging.getLogger("asyncio")
+  asyncio_log.addFilter(late_reads)
   try:
     for step in sorted(manager.all_steps(), reverse=True):
       restored, meta, problem = _read(manager, step, abstract, items)
@@ -98,6 +101,7 @@ def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None, *,
   finally:
     if not damaged:  # every read succeeded: none can call back late
       sys.unraisablehook = previous
+      asyncio_log.removeFilter(late_reads)
   if not damaged:
     return None
   listed = "; ".join(f"step {s}: {p}" for s, p in damaged)
@@ -233,6 +237,25 @@ def _dropping_late_reads(previous):
 
   hook.drops_late_reads = True
   return hook
+
+
+class _LateReadsFilter(logging.Filter):
+  """Drops asyncio's "... exception was never retrieved" records of a failed checkpoint read: when
+  one read fails, orbax gives up on the others gathered with it, and the gathering futures that
+  hold their errors are logged with a traceback (pages of TensorStore spec) whenever the garbage
+  collector finalises them, up to the exit. The warning that names the damaged step is the
+  report; every other asyncio record still shows. Equal filters are one: added once."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    e = record.exc_info[1] if record.exc_info else None
+    return not ("exception was never retrieved" in str(record.msg)
+                and e is not None and _read_error(e) is not None)
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, _LateReadsFilter)
+
+  def __hash__(self) -> int:
+    return hash(_LateReadsFilter)
 
 
 def _reason(e: BaseException) -> str:
