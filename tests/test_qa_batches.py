@@ -7,7 +7,7 @@ import pytest
 
 from realm_jax.checkpoints.minilm import load_minilm
 from realm_jax.data.qa_batches import (MAX_QUESTION_CHARS, QaBatcher, answer_pieces,
-                                       char_spans_to_pieces)
+                                       char_spans_to_pieces, doubling_bucket)
 from realm_jax.eval.open_qa import is_correct
 from realm_jax.text import BertTokenizer
 from realm_jax.text.answers import find_subsequences, has_answer, regex_exact_match
@@ -215,6 +215,22 @@ def test_padding_follows_the_longest_block(batcher):
   q = batcher.question_ids("coffee")
   inputs, _ = batcher.reader_inputs([q], np.array([[2]]))
   assert inputs["input_ids"].shape[-1] == 32  # 3 + 1 + ~17 pieces -> a multiple of 16
+
+
+def test_questions_are_padded_to_a_few_doubling_lengths(tok):
+  """Every question length from 1 to 62 word pieces pads to one of 4 lengths (8, 16, 32, 64: one
+  compiled program each), the smallest that holds [CLS] q [SEP]; a plain loop gives the want."""
+  qb = QaBatcher(FakeCorpus(tok), tok, question_length=64, reader_length=128)
+  got = {}
+  for n in range(1, 63):
+    want = next(b for b in (8, 16, 32, 64) if b >= n + 2)
+    arrays = qb._questions([[1000] * n, [1000]])
+    assert arrays["input_ids"].shape == (2, want), n
+    assert arrays["attention_mask"][0].sum() == n + 2 and arrays["attention_mask"][1].sum() == 3
+    got[n] = want
+  assert sorted(set(got.values())) == [8, 16, 32, 64]
+  got = [doubling_bucket(n, 32, 192) for n in (1, 32, 33, 65, 129, 192)]
+  assert got == [32, 32, 64, 128, 192, 192]
 
 
 def test_question_errors(batcher):

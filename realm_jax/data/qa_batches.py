@@ -20,7 +20,11 @@ answer" (the retriever's positives) when the normalised answer occurs in its nor
 recall that `build_index.py` reports (realm_jax/retrieval/recall.py) always matches title + body.
 
 Inputs are padded to the longest in the batch rounded up to `length_multiple`, so a batch of
-short blocks does not pay for `reader_length` (one compiled step per length bucket).
+short blocks does not pay for `reader_length` (one compiled step per length bucket). Questions are
+padded to a power-of-two multiple of `question_multiple` (8, 16, 32, 64): every distinct shape
+is another compiled step (a training step and an evaluation program, each held in memory for the
+rest of the run), and the mixture's TriviaQA questions, 16 word pieces at the median and 62 at
+most, spread the batches' longest over 7 multiples of 8 where NQ-Open's fill 2 (docs/open_qa.md).
 """
 
 from __future__ import annotations
@@ -48,6 +52,16 @@ def check_question(question: str) -> str:
     raise ValueError(f"The question has {len(question):,} characters: ask it in at most "
                      f"{MAX_QUESTION_CHARS:,}.")
   return question.strip()
+
+
+def doubling_bucket(n: int, multiple: int, cap: int) -> int:
+  """The smallest multiple x 2^k (k >= 0) that holds n, or cap if that is smaller: lengths padded to
+  these take log2(cap / multiple) + 1 values, so a program compiled per shape is compiled that
+  many times at most."""
+  length = multiple
+  while length < n:
+    length *= 2
+  return min(length, cap)
 
 
 def answers_of(question: dict) -> tuple[list[str], str]:
@@ -123,7 +137,7 @@ class QaBatcher:
     max_span_width: the reader's longest span; longer gold spans cannot be predicted and are
       dropped.
     length_multiple: reader inputs are padded to a multiple of this.
-    question_multiple: question inputs are padded to a multiple of this.
+    question_multiple: question inputs are padded to this times a power of two.
     reader_title: read each block's title before its body (False: the body alone, as ORQA and
       REALM's reader; answers are then looked for in the body only).
   """
@@ -312,9 +326,10 @@ class QaBatcher:
     return {**out, "reader": reader, **masks, "gold_starts": gold_starts, "gold_ends": gold_ends}
 
   def _questions(self, q_ids: Sequence[Sequence[int]]) -> dict:
-    """`[CLS] q [SEP]` arrays [B, Lq], padded to the longest rounded up to question_multiple."""
-    m = self.question_multiple
-    length = min(-(-(max(len(x) for x in q_ids) + 2) // m) * m, max(self.question_length, 8))
+    """`[CLS] q [SEP]` arrays [B, Lq], padded to the longest rounded up to question_multiple
+    times a power of two (at most question_length)."""
+    length = doubling_bucket(max(len(x) for x in q_ids) + 2, self.question_multiple,
+                             max(self.question_length, 8))
     out = {k: np.zeros((len(q_ids), length), np.int32)
            for k in ("input_ids", "attention_mask", "token_type_ids")}
     for i, ids in enumerate(q_ids):
