@@ -262,6 +262,18 @@ def test_a_checkpoint_whose_arrays_read_other_bytes_is_set_aside_for_the_one_bef
   assert meta == {"step": 8} and float(got["params"]["b"][0]) == 1.0
 
 
+def _saved_steps_2_and_4(tmp_path, arrays: int):
+  """(manager, state): `arrays` small arrays saved as steps 2 and 4 in tmp_path/checkpoints."""
+  import jax.numpy as jnp
+  from realm_jax.checkpoints import training as checkpoints
+  state = {f"a{i}": jnp.full(8, float(i)) for i in range(arrays)}
+  manager = checkpoints.checkpoint_manager(str(tmp_path / "checkpoints"), asynchronous=False,
+                                           data=False)
+  for step in (2, 4):
+    checkpoints.save(manager, step, state, {"step": step})
+  return manager, state
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_checkpoint_whose_array_metadata_does_not_read_is_passed_over_quietly(
     tmp_path, monkeypatch):
@@ -272,16 +284,11 @@ def test_a_checkpoint_whose_array_metadata_does_not_read_is_passed_over_quietly(
   dropped, and every other unraisable exception still shows."""
   import types
 
-  import jax.numpy as jnp
   from realm_jax.checkpoints import training as checkpoints
   shown = []
   monkeypatch.setattr(sys, "unraisablehook", shown.append)
-  directory = tmp_path / "checkpoints"
-  state = {f"a{i}": jnp.full(8, float(i)) for i in range(20)}
-  manager = checkpoints.checkpoint_manager(str(directory), asynchronous=False, data=False)
-  for step in (2, 4):
-    checkpoints.save(manager, step, state, {"step": step})
-  manifest = directory / "4" / "state" / "manifest.ocdbt"
+  manager, state = _saved_steps_2_and_4(tmp_path, arrays=20)
+  manifest = tmp_path / "checkpoints" / "4" / "state" / "manifest.ocdbt"
   data = bytearray(manifest.read_bytes())
   data[len(data) // 3:len(data) // 3 + 64] = bytes(64)
   manifest.write_bytes(bytes(data))
@@ -333,14 +340,9 @@ def test_gathered_reads_of_a_damaged_checkpoint_are_not_logged_when_collected(tm
   import gc
   import logging
 
-  import jax.numpy as jnp
   from realm_jax.checkpoints import training as checkpoints
-  directory = tmp_path / "checkpoints"
-  state = {f"a{i}": jnp.full(8, float(i)) for i in range(4)}
-  manager = checkpoints.checkpoint_manager(str(directory), asynchronous=False, data=False)
-  for step in (2, 4):
-    checkpoints.save(manager, step, state, {"step": step})
-  manifest = directory / "4" / "state" / "manifest.ocdbt"
+  manager, state = _saved_steps_2_and_4(tmp_path, arrays=4)
+  manifest = tmp_path / "checkpoints" / "4" / "state" / "manifest.ocdbt"
   manifest.write_bytes(bytes(len(manifest.read_bytes())))
   _, meta = checkpoints.restore_latest(manager, state, set_aside=False)
   assert meta == {"step": 2}

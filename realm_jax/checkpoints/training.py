@@ -84,9 +84,8 @@ def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None, *,
   damaged = []  # (step, problem), newest first
   previous = sys.unraisablehook
   sys.unraisablehook = _dropping_late_reads(previous)
-  late_reads = _LateReadsFilter()
   asyncio_log = logging.getLogger("asyncio")
-  asyncio_log.addFilter(late_reads)
+  asyncio_log.addFilter(_LATE_READS)  # (once: a logger holds a filter once)
   try:
     for step in sorted(manager.all_steps(), reverse=True):
       restored, meta, problem = _read(manager, step, abstract, items)
@@ -101,7 +100,7 @@ def restore_latest(manager: ocp.CheckpointManager, state, data_iterator=None, *,
   finally:
     if not damaged:  # every read succeeded: none can call back late
       sys.unraisablehook = previous
-      asyncio_log.removeFilter(late_reads)
+      asyncio_log.removeFilter(_LATE_READS)
   if not damaged:
     return None
   listed = "; ".join(f"step {s}: {p}" for s, p in damaged)
@@ -244,18 +243,15 @@ class _LateReadsFilter(logging.Filter):
   one read fails, orbax gives up on the others gathered with it, and the gathering futures that
   hold their errors are logged with a traceback (pages of TensorStore spec) whenever the garbage
   collector finalises them, up to the exit. The warning that names the damaged step is the
-  report; every other asyncio record still shows. Equal filters are one: added once."""
+  report; every other asyncio record still shows."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     e = record.exc_info[1] if record.exc_info else None
     return not ("exception was never retrieved" in str(record.msg)
                 and e is not None and _read_error(e) is not None)
 
-  def __eq__(self, other) -> bool:
-    return isinstance(other, _LateReadsFilter)
 
-  def __hash__(self) -> int:
-    return hash(_LateReadsFilter)
+_LATE_READS = _LateReadsFilter()
 
 
 def _reason(e: BaseException) -> str:

@@ -103,9 +103,10 @@ def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: 
   `recall_only` are not read (em None): reading is what takes the time on a CPU. `retrievers`:
   {name: weights} of more systems, each another retriever (its question tower and an index of
   the same corpus it builds once) read by the same fine-tuned reader. `runs`: {name: workdir, or
-  its parameters already read (`run_params`)} of more systems, each another fine-tuning run's best model (its question tower and its reader)
-  over this index (finetune.check_comparable_run says whether it can be). `paired_with`: one of
-  the systems; every other one gets `vs_<it>` (`paired_differences`)."""
+  its parameters already read (`run_params`)} of more systems, each another fine-tuning run's
+  best model (its question tower and its reader) over this index (finetune.check_comparable_run
+  says whether it can be). `paired_with`: one of the systems; every other one gets `vs_<it>`
+  (`paired_differences`)."""
   retrievers, runs = dict(retrievers or {}), dict(runs or {})
   extra = [*retrievers, *runs]
   check_systems(systems, [r for r in recall_only if r not in extra])
@@ -115,13 +116,14 @@ def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: 
   if params is None:
     params, meta = setup.best_params()
     logging.info("Fine-tuned model: %s", meta)
+  runs = run_params(setup, runs)
   untuned = {"query_tower": setup.init_params["query_tower"], "reader": params["reader"]}
   results, per_question = {}, {}
   for name in [*systems, *extra]:
     if name in retrievers:
       system = setup.retriever_system(name, retrievers[name], params["reader"])
     elif name in runs:
-      system = setup.system(run_params(setup, {name: runs[name]})[name])
+      system = setup.system(runs[name])
     else:
       system = setup.system(untuned if name == "dense_untuned" else params)
     bm25 = bm25_of(setup) if name == "bm25" else None
