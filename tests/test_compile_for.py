@@ -135,6 +135,62 @@ def test_collectives_of_hand_written_hlo():
   assert hlo.shape_bytes("(bf16[2,3]{1,0}, pred[], s4[10])") == 12 + 1 + 10
 
 
+# libtpu's reduce-scatter: an all-reduce and the slice of this device, fused (as it prints them).
+SCATTER_HLO = """\
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%all-reduce-scatter.3 (input: f32[1024,2048]) -> f32[256,2048] {
+  %input = f32[1024,2048]{1,0:T(8,128)S(1)} parameter(0)
+  %all-reduce.2 = f32[1024,2048]{1,0:T(8,128)} all-reduce(%input), channel_id=3, \
+replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %partition-id.2 = u32[] partition-id()
+  %zero = u32[] constant(0)
+  ROOT %dynamic-slice.5 = f32[256,2048]{1,0:T(8,128)S(1)} dynamic-slice(%all-reduce.2, \
+%partition-id.2, %zero), dynamic_slice_sizes={256,2048}
+}
+
+ENTRY %main.2 (g: f32[1024,2048], h: f32[8]) -> f32[256,2048] {
+  %g = f32[1024,2048]{1,0} parameter(0)
+  %h = f32[8]{0} parameter(1)
+  %sum = f32[8]{0} all-reduce(%h), replica_groups={{0,1}}, to_apply=%add
+  ROOT %fusion = f32[256,2048]{1,0:T(8,128)S(1)} fusion(%g), kind=kCustom, \
+calls=%all-reduce-scatter.3, backend_config={"flag_configs":[],"collective_algorithm_config":\
+{"emitter":"SingleInputAllReduceScatterFusion","strategy":"StrategyRing"}}
+}
+"""
+
+
+def test_a_fused_all_reduce_and_slice_is_one_reduce_scatter():
+  """libtpu writes a reduce-scatter as an all-reduce of the whole input then this device's slice,
+  inside one fusion: one reduce-scatter of the slice's bytes; the plain all-reduce stays one."""
+  got = hlo.collectives(SCATTER_HLO)
+  assert (got["reduce-scatter"]["count"], got["reduce-scatter"]["bytes"]) == (1, 256 * 2048 * 4)
+  assert (got["all-reduce"]["count"], got["all-reduce"]["bytes"]) == (1, 8 * 4)
+
+
+@needs_libtpu
+def test_fsdp_gradients_are_reduce_scattered_for_a_tpu():
+  """A weight split over fsdp (4) and a batch over data x fsdp (2 x 4) on v5e-8: the gradient is
+  reduce-scattered over fsdp (the device keeps its quarter) and only that quarter is all-reduced
+  over data; no all-reduce of the whole gradient."""
+  devices = topology.devices(topology.parse("v5e-8"))
+  mesh = sharding.make_mesh(devices, {"data": 2, "fsdp": 4, "tensor": 1})
+  w_s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", None))
+  x_s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+  step = lambda w, x: w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+  text = jax.jit(step, in_shardings=(w_s, x_s), out_shardings=w_s).lower(
+      jax.ShapeDtypeStruct((1024, 2048), jnp.float32, sharding=w_s),
+      jax.ShapeDtypeStruct((64, 1024), jnp.float32, sharding=x_s)).compile().as_text()
+  got = hlo.collectives(text)
+  quarter = 256 * 2048 * 4
+  assert got["reduce-scatter"]["count"] == 1 and got["reduce-scatter"]["bytes"] == quarter
+  assert got["all-reduce"]["bytes"] == quarter
+
+
 def test_the_compilers_out_of_memory_message_is_read():
   got = aot.out_of_memory(
       "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "

@@ -6,7 +6,10 @@
 Per kind (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute): how many run in
 one call of the program and the bytes of their results on one device (an SPMD program's shapes are
 a device's), also by element type (a gradient all-reduced in bf16 shows as such). An asynchronous
-pair (`all-gather-start` / `all-gather-done`) counts once, with the result of its `-done`. A
+pair (`all-gather-start` / `all-gather-done`) counts once, with the result of its `-done`. libtpu
+writes most reduce-scatters as an all-reduce then a slice inside a fusion of its own (a computation
+`all-reduce-scatter`, emitter `...AllReduceScatterFusion`): one reduce-scatter, with the fusion's
+(sliced) result, not the all-reduce of the whole input it holds. A
 collective in a while loop's body counts once per iteration when the HLO gives the trip count
 (`known_trip_count`, as XLA:CPU prints it; libtpu's compiled text does not); otherwise once, and
 `unknown_trip_counts` says how many such loops hold collectives.
@@ -32,6 +35,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
 _CALLS = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|true_computation|"
                     r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_SCATTER_FUSION = re.compile(r'"emitter"\s*:\s*"\w*AllReduceScatter\w*"')
 
 
 def shape_bytes(shape: str) -> int:
@@ -79,6 +83,7 @@ def collectives(hlo_text: str) -> dict:
   found = []                                   # (computation, kind, bytes)
   calls = collections.defaultdict(list)        # callee -> [(caller, times)]
   unknown_loops = []                           # (caller, body) without a trip count
+  scatters = {}                                # fused all-reduce-scatter -> its result bytes
   computation = None
   for line in hlo_text.splitlines():
     head = _COMPUTATION.match(line)
@@ -96,6 +101,9 @@ def collectives(hlo_text: str) -> dict:
     trips = _TRIP_COUNT.search(after)
     for attr, callees in _CALLS.findall(after):
       for callee in re.findall(r"%?([\w.\-]+)", callees.strip("{}")):
+        if opcode == "fusion" and (callee.startswith("all-reduce-scatter")
+                                   or _SCATTER_FUSION.search(after)):
+          scatters[callee] = typed_bytes(shape)
         times = 1
         if opcode == "while" and attr == "body":
           times = int(trips.group(1)) if trips else 1
@@ -112,6 +120,8 @@ def collectives(hlo_text: str) -> dict:
       memo[name] = sum(runs(c, seen + (name,)) * t for c, t in callers) if callers else 1
     return memo[name]
 
+  found = [(comp, "reduce-scatter", scatters[comp]) if comp in scatters and kind == "all-reduce"
+           else (comp, kind, sizes) for comp, kind, sizes in found]
   out = {kind: {"count": 0, "bytes": 0, "bytes_by_type": {}} for kind in KINDS}
   for comp, kind, sizes in found:
     n, by_type = runs(comp), out[kind]["bytes_by_type"]
