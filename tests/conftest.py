@@ -227,6 +227,13 @@ def jax_config(hf_config):
   return RealmConfig.from_dict(hf_config.to_dict())
 
 
+def jit_init(module, seed, *args, **kwargs):
+  """`module.init(jax.random.key(seed), *args, **kwargs)["params"]`, jitted: run op by op, a
+  model's init dispatches each of its ops alone, seconds for the tiny models here."""
+  import jax
+  return jax.jit(lambda key: module.init(key, *args, **kwargs)["params"])(jax.random.key(seed))
+
+
 def random_inputs(rng, batch_shape, seq_len, vocab, min_len=3):
   """Token ids with [CLS]-like start, random lengths and padding (id 0) after the length."""
   ids = rng.integers(1, vocab, size=(*batch_shape, seq_len))

@@ -6,6 +6,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import jit_init
 
 from realm_jax.checkpoints import save_hf_checkpoint
 from realm_jax.configs.build_index import get_config
@@ -23,7 +24,7 @@ def setup(tmp_path_factory):
   ids = np.ones((1, 8), np.int32)
   q = dict(input_ids=ids, attention_mask=ids, token_type_ids=0 * ids)
   c = {k: v[:, None] for k, v in q.items()}
-  params = RealmRetriever(config, share_embedders=False).init(jax.random.key(3), q, c)["params"]
+  params = jit_init(RealmRetriever(config, share_embedders=False), 3, q, c)
   weights = root / "retriever"
   save_hf_checkpoint(weights, config, params, "retriever")
   (weights / "vocab.txt").write_text("\n".join(WORDS) + "\n")
@@ -74,8 +75,8 @@ def test_index_of_another_corpus_is_refused(setup, tmp_path):
   config = tiny_config(vocab_size=len(WORDS), max_position_embeddings=64)
   ids = np.ones((1, 8), np.int32)
   q = dict(input_ids=ids, attention_mask=ids, token_type_ids=0 * ids)
-  other = RealmRetriever(config, share_embedders=False).init(
-      jax.random.key(4), q, {k: v[:, None] for k, v in q.items()})["params"]
+  other = jit_init(RealmRetriever(config, share_embedders=False), 4, q,
+                      {k: v[:, None] for k, v in q.items()})
   save_hf_checkpoint(tmp_path / "other", config, other, "retriever")
   (tmp_path / "other" / "vocab.txt").write_text("\n".join(WORDS) + "\n")
   other_cfg = cfg.copy_and_resolve_references()

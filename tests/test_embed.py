@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import devices_env
+from conftest import devices_env, jit_init
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time
@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     tok = BertTokenizer(vocab)
     model = RealmEmbedder(tiny_config(vocab_size=tok.vocab_size, max_position_embeddings=64))
     x = np.ones((1, 8), np.int32)
-    params = model.init(jax.random.key(0), x, x, x)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), x, x, x)["params"]
     fn = jax.jit(lambda b: model.apply({"params": params}, b["input_ids"], b["attention_mask"],
                                        b["token_type_ids"]))
     def embed(b):
@@ -127,7 +127,7 @@ def bert_dir(tmp_path_factory, setup):
   path = tmp_path_factory.mktemp("bert")
   config = tiny_config(vocab_size=56, max_position_embeddings=64)
   x = np.ones((1, 8), np.int32)
-  params = BertModel(config, add_pooling_layer=True).init(jax.random.key(0), x, x, x)["params"]
+  params = jit_init(BertModel(config, add_pooling_layer=True), 0, x, x, x)
   save_hf_checkpoint(str(path), config, params, kind="bert")
   (path / "vocab.txt").write_bytes((setup / "vocab.txt").read_bytes())
   (path / "tokenizer_config.json").write_text('{"do_lower_case": false}')

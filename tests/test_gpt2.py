@@ -7,7 +7,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from conftest import perturbed
+from conftest import jit_init, perturbed
 from flax import traverse_util
 
 torch = pytest.importorskip("torch")
@@ -62,7 +62,7 @@ def test_baseline_matches_hf(checkpoint, inputs):
   directory, hf = checkpoint
   tokens, _ = inputs
   model = RetroModel(RetroConfig(**gpt2.decoder_settings(directory, FLAG), cca_layers=()))
-  params = model.init(jax.random.key(0), tokens)["params"]
+  params = jit_init(model, 0, tokens)
   params = decoders.retrofit(params, gpt2.load_decoder(directory, FLAG), FLAG)
   assert _max_error(model.apply({"params": params}, tokens), _hf_logits(hf, tokens)) <= ATOL
 
@@ -73,7 +73,7 @@ def test_retro_matches_hf_without_neighbours(checkpoint, inputs):
   config = RetroConfig(**gpt2.decoder_settings(directory, FLAG), cca_layers=(2,), chunk_length=M,
                        num_neighbours=K)
   model = RetroModel(config)
-  init = model.init(jax.random.key(1), tokens, neighbours)["params"]
+  init = jit_init(model, 1, tokens, neighbours)
   decoder = gpt2.load_decoder(directory, FLAG)
   params = decoders.retrofit(init, decoder, FLAG)
 
@@ -187,7 +187,7 @@ def test_retrofit_refuses_another_decoder(checkpoint, inputs):
   decoder = gpt2.load_decoder(directory, FLAG)
   for change, message in ((dict(num_layers=2), "differ in"), (dict(mlp_size=64), "has shape")):
     model = RetroModel(RetroConfig(**{**settings, **change}))
-    params = model.init(jax.random.key(0), inputs[0])["params"]
+    params = jit_init(model, 0, inputs[0])
     with pytest.raises(CheckpointError, match=f"{FLAG}.*{message}"):
       decoders.retrofit(params, decoder, FLAG)
 

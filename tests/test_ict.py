@@ -17,7 +17,7 @@ from realm_jax.train import ict
 from realm_jax.train.optimizer import bert_adamw
 from realm_jax.train.realm_step import TrainState
 
-from conftest import random_inputs
+from conftest import jit_init, random_inputs
 
 KEYS = ("input_ids", "attention_mask", "token_type_ids")
 WORDS = ["apples", "rivers", "castles", "violins", "glaciers", "lanterns", "tigers", "comets"]
@@ -255,8 +255,8 @@ def test_export_of_a_cased_checkpoint_stays_cased(tmp_path):
   config = tiny_config(vocab_size=16, max_position_embeddings=32)
   ids = np.ones((1, 8), np.int32)
   q = dict(input_ids=ids, attention_mask=ids, token_type_ids=0 * ids)
-  params = RealmRetriever(config, share_embedders=False).init(
-      jax.random.key(0), q, {k: v[:, None] for k, v in q.items()})["params"]
+  params = jit_init(RealmRetriever(config, share_embedders=False), 0, q,
+                       {k: v[:, None] for k, v in q.items()})
   words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Paris", "paris"]
   for casing, lowercase in ((None, True), (False, False)):
     src = tmp_path / f"src-{casing}"

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 from cli_forks import run_forked
-from conftest import one_device_env
+from conftest import jit_init, one_device_env
 
 from realm_jax.checkpoints import retro_export
 from realm_jax.checkpoints.decoder import is_decoder_param
@@ -133,8 +133,8 @@ def exports(db, tmp_path_factory):
   for seed, name in enumerate(("retro", "baseline")):
     config = model_config(get_config("tiny"), db, retrieval=name == "retro")
     seq = db.read_sequence("train", 0)
-    params = RetroModel(config).init(jax.random.key(seed), seq["inputs"][None],
-                                     seq["neighbours"][None, :, :config.num_neighbours])["params"]
+    params = jit_init(RetroModel(config), seed, seq["inputs"][None],
+                         seq["neighbours"][None, :, :config.num_neighbours])
     out[name] = str(root / name / "export")
     retro_export.save(out[name], config, jax.device_get(params), {
         "step": 0, "tokenizer": db.tokenizer.name, "key_fingerprint": db.key_fingerprint,

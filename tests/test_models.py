@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import jit_init
 
 from realm_jax.models import (BertModel, RealmConfig, RealmEmbedder, RealmRetriever,
                               marginal_mlm_loss, span_candidates, tiny_config)
@@ -87,7 +88,7 @@ def test_separate_towers_differ_and_shared_towers_agree():
   c = {k: v[:, None, :] for k, v in q.items()}
   for shared in (True, False):
     model = RealmRetriever(config, share_embedders=shared)
-    params = model.init(jax.random.key(1), q, c)["params"]
+    params = jit_init(model, 1, q, c)
     scores, q_emb, c_emb = model.apply({"params": params}, q, c)
     assert ("query_embedder" in params) == (not shared)
     assert np.allclose(q_emb, c_emb[:, 0]) == shared
@@ -112,7 +113,7 @@ def test_query_ignore_id_treats_the_token_as_padding_in_the_query_tower_only():
   for pooling in ("mean", "projected_cls"):
     plain = RealmRetriever(config, share_embedders=False, pooling=pooling)
     hiding = RealmRetriever(config, share_embedders=False, pooling=pooling, query_ignore_id=9)
-    params = plain.init(jax.random.key(1), q, c)["params"]
+    params = jit_init(plain, 1, q, c)
     _, q_plain, c_plain = plain.apply({"params": params}, q, c)
     _, q_hide, c_hide = hiding.apply({"params": params}, q, c)
     padded = dict(q, attention_mask=mask * (ids != 9))

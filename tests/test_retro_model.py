@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import jit_init
 
 from realm_jax.models.retro import (ChunkedCrossAttention, RetroConfig, RetroModel, cca_layers,
                                     token_nll)
@@ -75,7 +76,7 @@ def test_cca_equals_a_plain_per_token_loop():
   mask = rng.random((2, C, K, R)) > 0.3
   mask[1, 1] = False          # a chunk without neighbours: its tokens get nothing
   cca = ChunkedCrossAttention(_config())
-  params = _randomize(cca.init(jax.random.key(0), x, enc, mask)["params"])
+  params = _randomize(jit_init(cca, 0, x, enc, mask))
   got = np.asarray(cca.apply({"params": params}, x, enc, mask))
   want = _naive_cca(params, x, enc, mask)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
@@ -91,7 +92,7 @@ def model(request):
   tokens = rng.integers(1, 41, (2, L))
   neighbours = rng.integers(1, 41, (2, C, K, R))
   module = RetroModel(config)
-  params = _randomize(module.init(jax.random.key(0), tokens, neighbours)["params"], seed=1)
+  params = _randomize(jit_init(module, 0, tokens, neighbours), seed=1)
   apply = jax.jit(lambda p, t, n, s=None: module.apply({"params": p}, t, n, segments=s))
   return params, tokens, neighbours, apply, family
 
@@ -215,7 +216,7 @@ def test_cca_learns_to_read_what_its_neighbours_say():
   def loss(p, inputs, targets, neighbours):  # the chunks after the first (they read neighbours)
     return token_nll(module.apply({"params": p}, inputs, neighbours), targets)[:, m:].mean()
 
-  params = module.init(jax.random.key(0), *data(np.random.default_rng(1))[::2])["params"]
+  params = jit_init(module, 0, *data(np.random.default_rng(1))[::2])
   tx = optax.adam(3e-3)
 
   # 300 runs of one program: compiled at LLVM's default level, not the suite's -O0 (conftest.py),
@@ -276,7 +277,7 @@ def test_cca_over_decoder_states_equals_a_plain_per_token_loop():
   mask = rng.random((2, C, K, R)) > 0.3
   mask[1, 1] = False
   cca = ChunkedCrossAttention(config)
-  params = _randomize(cca.init(jax.random.key(0), x, enc, mask)["params"])
+  params = _randomize(jit_init(cca, 0, x, enc, mask))
   got = np.asarray(cca.apply({"params": params}, x, enc, mask))
   a = {n: np.asarray(params["attn"][n]["kernel"], np.float64)
        for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
@@ -315,7 +316,7 @@ def test_decoder_memory_reads_the_decoders_own_states_of_each_neighbour():
   neighbours = rng.integers(1, 41, (2, C, K, R))
   neighbours[0, 1, 0, R - 3:] = 0          # a short continuation, padded at its end
   module = RetroModel(config)
-  params = _randomize(module.init(jax.random.key(0), tokens, neighbours)["params"], seed=3)
+  params = _randomize(jit_init(module, 0, tokens, neighbours), seed=3)
   _, state = module.apply({"params": params}, tokens, neighbours,
                           capture_intermediates=lambda mdl, _: mdl.name == "h_1",
                           mutable=["intermediates"])
@@ -343,7 +344,7 @@ def test_a_retrofit_starts_each_decoder_memory_cca_as_its_layers_attention():
   rng = np.random.default_rng(4)
   tokens, neighbours = rng.integers(1, 41, (2, L)), rng.integers(1, 41, (2, C, K, R))
   module = RetroModel(config)
-  fresh = module.init(jax.random.key(0), tokens, neighbours)["params"]
+  fresh = jit_init(module, 0, tokens, neighbours)
   flat = traverse_util.flatten_dict(_randomize(fresh, seed=5))
   decoder = traverse_util.unflatten_dict({p: np.asarray(v) for p, v in flat.items()
                                           if is_decoder_param(p)})

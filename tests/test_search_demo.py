@@ -5,7 +5,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import random_inputs
+from conftest import jit_init, random_inputs
 
 from realm_jax.models import RealmEmbedder, tiny_config
 from realm_jax.retrieval.embed import bucket_lengths, embed_in_buckets
@@ -16,7 +16,7 @@ def test_bucketed_embedding_equals_full_length_embedding():
   config = tiny_config()
   model = RealmEmbedder(config)
   ids, mask, types = random_inputs(np.random.default_rng(0), (37,), 40, config.vocab_size, min_len=2)
-  params = model.init(jax.random.key(0), ids, mask, types)["params"]
+  params = jit_init(model, 0, ids, mask, types)
   fn = jax.jit(lambda b: model.apply({"params": params}, b["input_ids"], b["attention_mask"],
                                      b["token_type_ids"]))
   want = np.asarray(fn(dict(input_ids=ids, attention_mask=mask, token_type_ids=types)))

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import random_inputs
+from conftest import jit_init, random_inputs
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -21,7 +21,7 @@ def test_sharded_embedder_equals_single_device(mesh):
   config = tiny_config()
   model = RealmEmbedder(config)
   ids, mask, types = random_inputs(np.random.default_rng(0), (16,), 12, config.vocab_size)
-  params = model.init(jax.random.key(0), ids, mask, types)["params"]
+  params = jit_init(model, 0, ids, mask, types)
   params = jax.tree.map(lambda p: p + 0.1 * np.random.default_rng(1).normal(size=p.shape), params)
 
   apply = lambda p, i, m, t: model.apply({"params": p}, i, m, t)
@@ -42,7 +42,7 @@ def test_sharded_encoder_bf16_runs_and_is_close_to_f32(mesh):
   config = tiny_config()
   ids, mask, types = random_inputs(np.random.default_rng(2), (8, 3), 10, config.vocab_size)
   f32 = KnowledgeAugEncoder(config)
-  params = f32.init(jax.random.key(0), ids, mask, types)["params"]
+  params = jit_init(f32, 0, ids, mask, types)
   data = NamedSharding(mesh, P("data"))
   outs = {}
   for dtype in ("float32", "bfloat16"):
