@@ -144,9 +144,9 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
 
 def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None) -> dict:
   """Bytes per device of a RETRO run (realm_jax/configs/retro.py): the RETRO decoder's parameters
-  (from shapes only) with AdamW (gradients and moments for the trained ones only: a RETROfit's
-  frozen decoder has none), and the activations of its sequences, neighbour tokens and logits; the
-  chunk index lives on the host (not counted). `model`: the run's RetroConfig (default: built
+  (from shapes only) with AdamW's moments for the trained ones only (a RETROfit's frozen decoder
+  has none), under fsdp the trained weights gathered whole, and the activations of its sequences,
+  neighbour tokens and logits; the chunk index lives on the host (not counted). `model`: the run's RetroConfig (default: built
   from config.model, or from config.init's pre-trained decoder)."""
   from realm_jax import sharding
   from realm_jax.checkpoints import decoder
@@ -192,8 +192,17 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None) ->
                           c.encoder_layers)
                  + 2 * b * length * vocab_size * 4)   # float32 logits and their gradient
   activations /= axes["tensor"]  # heads, feed-forward width and vocabulary split over "tensor"
-  parts = {"parameters": 4 * p, "gradients": 4 * trained, "optimizer state": 8 * trained,
-           "update buffers": 4 * trained, "activations": activations}
+  # What the TPU compiler holds besides (docs/tpu.md, 2026-11-29): no whole float32 gradient or
+  # update buffer (the gradient is all-reduced in the compute dtype and the update done in place:
+  # counting 8 bytes a trained parameter for them put the estimate at 1.34-1.58x the compiler's
+  # with data parallelism, 0.97-1.10x without); split over fsdp, the trained weights gathered
+  # whole in the compute dtype (`paper_7.5b`: 0.60x without them, 0.96x with).
+  whole = sharding.elements_per_device(
+      shapes, {**axes, "fsdp": 1}, rules,
+      keep=lambda path: not (config.freeze_decoder and decoder.is_decoder_param(path)))
+  gathered = whole * act if axes["fsdp"] > 1 else 0
+  parts = {"parameters": 4 * p, "optimizer state": 8 * trained, "gathered weights": gathered,
+           "activations": activations}
   return {"parts": parts, "total": sum(parts.values()), "params": {"decoder": p_all},
           "devices": devices, "examples_per_device": b, "sequence": length}
 
