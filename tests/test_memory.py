@@ -100,3 +100,28 @@ def test_the_runs_it_estimates_are_known_by_their_configs():
   from realm_jax.configs import pretrain, retro
   assert memory.run_kind(pretrain.get_config("tiny")) == "pretrain"
   assert memory.run_kind(retro.get_config("tiny")) == "retro"
+
+
+
+def test_retro_estimate_counts_the_state_and_under_fsdp_the_gathered_trained_weights():
+  """By hand for the tiny RETRO (float32): 4 bytes a parameter held, 8 for AdamW's moments of the
+  trained ones, no float32 gradient or update buffer (the compiled step holds neither); split over
+  fsdp, the trained weights gathered whole (4 bytes each, float32). A RETROfit's frozen decoder
+  has no moments and is not gathered."""
+  from realm_jax.configs import retro
+  c = retro.get_config("tiny")
+  whole = memory.retro_estimate(c, 8)   # data parallelism: all of it on every device
+  total = whole["params"]["decoder"]
+  assert whole["parts"]["parameters"] == 4 * total
+  assert whole["parts"]["optimizer state"] == 8 * total
+  assert whole["parts"]["gathered weights"] == 0 and "gradients" not in whole["parts"]
+  c.mesh = "data=2,fsdp=4"
+  split = memory.retro_estimate(c, 8)["parts"]
+  assert split["gathered weights"] == 4 * total
+  assert split["parameters"] < 4 * total / 2   # most of it split 4 ways along "embed"
+  c.freeze_decoder = True
+  c.mesh = "data=-1"
+  trained = memory.retro_estimate(c, 8)["parts"]["optimizer state"] // 8
+  assert 0 < trained < total / 2
+  c.mesh = "data=2,fsdp=4"
+  assert memory.retro_estimate(c, 8)["parts"]["gathered weights"] == 4 * trained
