@@ -76,7 +76,7 @@ def test_index_of_another_corpus_is_refused(setup, tmp_path):
   ids = np.ones((1, 8), np.int32)
   q = dict(input_ids=ids, attention_mask=ids, token_type_ids=0 * ids)
   other = jit_init(RealmRetriever(config, share_embedders=False), 4, q,
-                      {k: v[:, None] for k, v in q.items()})
+                   {k: v[:, None] for k, v in q.items()})
   save_hf_checkpoint(tmp_path / "other", config, other, "retriever")
   (tmp_path / "other" / "vocab.txt").write_text("\n".join(WORDS) + "\n")
   other_cfg = cfg.copy_and_resolve_references()

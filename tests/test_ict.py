@@ -256,7 +256,7 @@ def test_export_of_a_cased_checkpoint_stays_cased(tmp_path):
   ids = np.ones((1, 8), np.int32)
   q = dict(input_ids=ids, attention_mask=ids, token_type_ids=0 * ids)
   params = jit_init(RealmRetriever(config, share_embedders=False), 0, q,
-                       {k: v[:, None] for k, v in q.items()})
+                    {k: v[:, None] for k, v in q.items()})
   words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Paris", "paris"]
   for casing, lowercase in ((None, True), (False, False)):
     src = tmp_path / f"src-{casing}"

@@ -134,7 +134,7 @@ def exports(db, tmp_path_factory):
     config = model_config(get_config("tiny"), db, retrieval=name == "retro")
     seq = db.read_sequence("train", 0)
     params = jit_init(RetroModel(config), seed, seq["inputs"][None],
-                         seq["neighbours"][None, :, :config.num_neighbours])
+                      seq["neighbours"][None, :, :config.num_neighbours])
     out[name] = str(root / name / "export")
     retro_export.save(out[name], config, jax.device_get(params), {
         "step": 0, "tokenizer": db.tokenizer.name, "key_fingerprint": db.key_fingerprint,

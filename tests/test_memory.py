@@ -102,7 +102,6 @@ def test_the_runs_it_estimates_are_known_by_their_configs():
   assert memory.run_kind(retro.get_config("tiny")) == "retro"
 
 
-
 def test_retro_estimate_counts_the_state_and_under_fsdp_the_gathered_trained_weights():
   """By hand for the tiny RETRO (float32): 4 bytes a parameter held, 8 for AdamW's moments of the
   trained ones, no float32 gradient or update buffer (the compiled step holds neither); split over

@@ -99,10 +99,10 @@ def collectives(hlo_text: str) -> dict:
     if kind:
       found.append((computation, kind, typed_bytes(shape)))
     trips = _TRIP_COUNT.search(after)
+    scatter_fusion = opcode == "fusion" and bool(_SCATTER_FUSION.search(after))
     for attr, callees in _CALLS.findall(after):
       for callee in re.findall(r"%?([\w.\-]+)", callees.strip("{}")):
-        if opcode == "fusion" and (callee.startswith("all-reduce-scatter")
-                                   or _SCATTER_FUSION.search(after)):
+        if scatter_fusion or (opcode == "fusion" and callee.startswith("all-reduce-scatter")):
           scatters[callee] = typed_bytes(shape)
         times = 1
         if opcode == "while" and attr == "body":

@@ -146,8 +146,9 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None) ->
   """Bytes per device of a RETRO run (realm_jax/configs/retro.py): the RETRO decoder's parameters
   (from shapes only) with AdamW's moments for the trained ones only (a RETROfit's frozen decoder
   has none), under fsdp the trained weights gathered whole, and the activations of its sequences,
-  neighbour tokens and logits; the chunk index lives on the host (not counted). `model`: the run's RetroConfig (default: built
-  from config.model, or from config.init's pre-trained decoder)."""
+  neighbour tokens and logits; the chunk index lives on the host (not counted). `model`: the
+  run's RetroConfig (default: built from config.model, or from config.init's pre-trained
+  decoder)."""
   from realm_jax import sharding
   from realm_jax.checkpoints import decoder
   from realm_jax.models.retro import RetroConfig, RetroModel, cca_layers
@@ -174,9 +175,8 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None) ->
   # Per device: the parameters (and the trained ones' gradients and moments) as the mesh splits
   # them (realm_jax/sharding.py; all of them with data parallelism).
   p = sharding.elements_per_device(shapes, axes, rules)
-  trained = sharding.elements_per_device(
-      shapes, axes, rules,
-      keep=lambda path: not (config.freeze_decoder and decoder.is_decoder_param(path)))
+  is_trained = lambda path: not (config.freeze_decoder and decoder.is_decoder_param(path))
+  trained = sharding.elements_per_device(shapes, axes, rules, keep=is_trained)
   vocab_size = mc.vocab_size
   b = -(-config.batch_size // (axes["data"] * axes["fsdp"]))
   act = 2 if c.dtype == "bfloat16" else 4
@@ -197,10 +197,8 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None) ->
   # counting 8 bytes a trained parameter for them put the estimate at 1.34-1.58x the compiler's
   # with data parallelism, 0.97-1.10x without); split over fsdp, the trained weights gathered
   # whole in the compute dtype (`paper_7.5b`: 0.60x without them, 0.96x with).
-  whole = sharding.elements_per_device(
-      shapes, {**axes, "fsdp": 1}, rules,
-      keep=lambda path: not (config.freeze_decoder and decoder.is_decoder_param(path)))
-  gathered = whole * act if axes["fsdp"] > 1 else 0
+  gathered = act * sharding.elements_per_device(
+      shapes, {**axes, "fsdp": 1}, rules, keep=is_trained) if axes["fsdp"] > 1 else 0
   parts = {"parameters": 4 * p, "optimizer state": 8 * trained, "gathered weights": gathered,
            "activations": activations}
   return {"parts": parts, "total": sum(parts.values()), "params": {"decoder": p_all},
