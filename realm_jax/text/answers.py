@@ -22,14 +22,18 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-_PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 
+@functools.cache
+def _dropped() -> dict[int, None]:
+  """str.translate's table: ASCII punctuation and every combining mark (category Mn) deleted."""
+  marks = (c for c in range(0x110000) if unicodedata.category(chr(c)) == "Mn")
+  return dict.fromkeys([*map(ord, string.punctuation), *marks])
+
+
 def normalize_answer(text: str) -> str:
-  text = unicodedata.normalize("NFD", text).lower()
-  text = "".join(ch for ch in text if ch not in _PUNCT and unicodedata.category(ch) != "Mn"
-                 or ch == " ")
+  text = unicodedata.normalize("NFD", text).lower().translate(_dropped())
   text = _ARTICLES.sub(" ", text)
   return " ".join(text.split())
 
