@@ -51,6 +51,27 @@ def read_titles(system, question):
   return [system.corpus[int(r)]["title"] for r in rows], system.models.score_scale * scores[rows]
 
 
+def test_a_loaded_system_answers_without_compiling(system):
+  """The seconds ask.py prints are the answer's, not XLA's: loading compiles the one program there
+  is (every question padded to one length), so questions of other lengths afterwards trace and
+  compile nothing (counted by jax's own compile events, not timed). First in the module: nothing
+  but the load has run on `system` yet."""
+  import jax
+  events = []
+  listener = lambda event, duration, **kwargs: events.append(event)
+  compiles = lambda: [e for e in events if e.startswith("/jax/core/compile/")]
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    for question in ("who", QUESTION + " and in which year was it first printed in london"):
+      ask.answer_one(system, question)
+    answering = compiles()
+    jax.jit(lambda x: x + 1)(np.float32(len(events)))  # (the events are seen: a new program)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert not answering, answering
+  assert compiles()
+
+
 def test_ask_prints_the_answer_and_the_retrieved_evidence(workdir, system):
   got = run_ask(f"--workdir={workdir}", f"--question={QUESTION}")
   assert got.returncode == 0, got.stderr
@@ -62,7 +83,7 @@ def test_ask_prints_the_answer_and_the_retrieved_evidence(workdir, system):
                                      got.stdout, flags=re.M).groups()
   assert answer == (expected["answer"] or "(no answer)")
   np.testing.assert_allclose(float(score), expected["score"], atol=0.01)
-  assert float(seconds) < 1.0  # steady state: compiled while loading
+  assert float(seconds) >= 0.0  # (how fast: test_a_loaded_system_answers_without_compiling)
   # The answer's block is the one marked.
   assert re.findall(r"^ \* ?(\d+)\. ", got.stdout, flags=re.M) == [str(expected["block_rank"] + 1)]
 
