@@ -117,27 +117,52 @@ def uninterrupted(first_run):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_bit_identical_parameters(tmp_path, data_dir, uninterrupted):
-  workdir = str(tmp_path / "killed")
-  kill_after = random.Random().randint(1, 5)  # a random step of the 6
-  proc = run(workdir, data_dir, wait=False)
+def test_a_second_run_on_a_held_workdir_is_refused_and_a_killed_run_resumes_bit_identically(
+    tmp_path, data_dir, uninterrupted):
+  """One run, two faults. A second run on its workdir (another learning rate) would interleave
+  checkpoints, metrics.jsonl and config.json: it is refused with one `error:` line naming the
+  first, which is stopped (SIGSTOP) once it holds the workdir, so the second certainly starts
+  while the first holds it. Then the first is SIGKILLed after a random step and run again: it ends
+  with the uninterrupted run's config, metrics rows, checkpoints and bit-identical parameters."""
+  import socket
+  workdir = tmp_path / "w"
+  first = run(str(workdir), data_dir, wait=False)
   deadline = time.time() + 300
+  while not (workdir / "config.json").exists():  # written once the run holds the workdir
+    assert first.poll() is None, first.stdout.read()[-3000:]
+    assert time.time() < deadline
+    time.sleep(0.05)
+  os.kill(first.pid, signal.SIGSTOP)
+  try:
+    code, out = run(str(workdir), data_dir, "--config.learning_rate=0.5")
+  finally:
+    os.kill(first.pid, signal.SIGCONT)
+  errors = [line for line in out.splitlines() if line.startswith("error:")]
+  assert code == 2 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
+  assert f"is in use by another run (process {first.pid} on {socket.gethostname()}, started " \
+         in errors[0] and "experiments/pretrain.py" in errors[0], errors
+  kill_after = random.Random().randint(1, 5)  # a random step of the 6
   while not any(s >= kill_after for s in logged_steps(workdir)):
-    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    assert first.poll() is None, first.stdout.read()[-3000:]
     assert time.time() < deadline
     time.sleep(0.05)
   # Checkpoints are written every 2 steps, asynchronously: whether one is complete by now depends
   # on timing. One that is complete before the kill must be restored.
   saved = complete_checkpoints(workdir)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
+  first.send_signal(signal.SIGKILL)
+  first.wait()
   assert max(logged_steps(workdir)) < 6, "the run finished before it was killed"
-  code, out = run(workdir, data_dir)
+  code, out = run(str(workdir), data_dir)
   assert code == 0, out[-3000:]
   if saved:  # (a later one may have completed between the look and the kill)
     restored = [int(m) for m in re.findall(r"Restored step (\d+)", out)]
     assert restored and restored[0] >= max(saved), (saved, out[-3000:])
-  got, want = final_params(workdir, 6), final_params(uninterrupted, 6)
+  assert json.loads((workdir / "config.json").read_text()) == json.loads(
+      open(os.path.join(uninterrupted, "config.json")).read())
+  timeless = lambda rows: [{k: v for k, v in r.items() if k != "examples_per_s"} for r in rows]
+  assert timeless(read_rows(workdir)) == timeless(read_rows(uninterrupted))
+  assert complete_checkpoints(workdir) == complete_checkpoints(uninterrupted)
+  got, want = final_params(str(workdir), 6), final_params(uninterrupted, 6)
   assert [p for p, _ in got] == [p for p, _ in want]
   for (path, a), (_, b) in zip(got, want):
     np.testing.assert_array_equal(a, b, err_msg=f"{path} (killed after step {kill_after})")
@@ -267,35 +292,6 @@ def test_old_indexes_go_but_not_those_the_checkpoints_name(tmp_path, data_dir, u
   kept = sorted(p for p in os.listdir(os.path.join(workdir, "index")) if p.startswith("index-"))
   assert kept == ["index-00000001", "index-00000003", "index-00000004", "index-00000005"], out
   assert out.count("Deleted the index") == 2
-
-
-@pytest.mark.slow
-def test_resumed_from_an_older_checkpoint_the_later_indexes_are_not_used(tmp_path, data_dir,
-                                                                         uninterrupted):
-  """The run stopped after publishing index 3 but before a checkpoint past step 2: resumed from
-  step 2 it goes on with index 0 (the one that checkpoint names), points LATEST back at it, and
-  says so; it republishes step 3 as it gets there and ends with the uninterrupted parameters and
-  metrics rows."""
-  import shutil
-  from realm_jax.retrieval.index_store import latest_index_dir
-  workdir = tmp_path / "w"
-  shutil.copytree(uninterrupted, workdir)
-  for step in (4, 6):
-    shutil.rmtree(workdir / "checkpoints" / str(step))
-  assert os.path.basename(latest_index_dir(workdir / "index")) == "index-00000003"
-  code, out = run(str(workdir), data_dir)
-  assert code == 0, out[-3000:]
-  assert re.search(r"Resumed at step 2 with the index index-00000000; index-00000003 in \S+ were "
-                   r"published after the checkpoint and are not used \(LATEST now names "
-                   r"index-00000000 again", out), out[-3000:]
-  assert "Index refreshed at step 3" in out
-  assert os.path.basename(latest_index_dir(workdir / "index")) == "index-00000003"
-  # The rows the stopped run logged after step 2 were replaced, not repeated.
-  key = lambda r: (r["step"], r["split"], r.get("loss"))
-  assert [key(r) for r in read_rows(workdir)] == [key(r) for r in read_rows(uninterrupted)]
-  got, want = final_params(str(workdir), 6), final_params(uninterrupted, 6)
-  for (path, a), (_, b) in zip(got, want):
-    np.testing.assert_array_equal(a, b, err_msg=str(path))
 
 
 @pytest.fixture(scope="module")
@@ -618,64 +614,40 @@ def test_watcher_keeps_the_current_index_when_a_new_one_is_corrupt(tmp_path, dat
 
 
 @pytest.mark.slow
-def test_a_second_run_on_a_held_workdir_is_refused_and_the_first_runs_as_alone(
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_later_indexes_are_not_used(
     tmp_path, data_dir, uninterrupted):
-  """Two pre-training runs on one workdir (another learning rate) would interleave checkpoints,
-  metrics.jsonl and config.json: the second is refused with one `error:` line naming the first,
-  which ends as if it had run alone. The first is stopped (SIGSTOP) once it has started writing
-  there, so the second certainly starts while the first holds the workdir."""
-  import socket
-  workdir = tmp_path / "w"
-  first = run(str(workdir), data_dir, wait=False)
-  deadline = time.time() + 300
-  while not (workdir / "config.json").exists():  # written once the run holds the workdir
-    assert first.poll() is None, first.stdout.read()[-3000:]
-    assert time.time() < deadline
-    time.sleep(0.05)
-  os.kill(first.pid, signal.SIGSTOP)
-  try:
-    code, out = run(str(workdir), data_dir, "--config.learning_rate=0.5")
-  finally:
-    os.kill(first.pid, signal.SIGCONT)
-  errors = [line for line in out.splitlines() if line.startswith("error:")]
-  assert code == 2 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
-  assert f"is in use by another run (process {first.pid} on {socket.gethostname()}, started " \
-         in errors[0] and "experiments/pretrain.py" in errors[0], errors
-  first_out, _ = first.communicate(timeout=600)
-  assert first.returncode == 0, first_out[-3000:]
-  assert json.loads((workdir / "config.json").read_text()) == json.loads(
-      open(os.path.join(uninterrupted, "config.json")).read())
-  timeless = lambda rows: [{k: v for k, v in r.items() if k != "examples_per_s"} for r in rows]
-  assert timeless(read_rows(workdir)) == timeless(read_rows(uninterrupted))
-  assert complete_checkpoints(workdir) == complete_checkpoints(uninterrupted)
-  got, want = final_params(str(workdir), 6), final_params(uninterrupted, 6)
-  assert [p for p, _ in got] == [p for p, _ in want]
-  for (path, a), (_, b) in zip(got, want):
-    np.testing.assert_array_equal(a, b, err_msg=str(path))
-
-
-@pytest.mark.slow
-def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_before_it(
-    tmp_path, data_dir, uninterrupted):
-  """A data file deleted inside the newest checkpoint (6): the run warns, naming it, moves it to
-  checkpoints-damaged/ (kept, out of orbax's sight), resumes from step 4, saves step 6 afresh
-  and ends with the uninterrupted parameters."""
+  """The run stopped after publishing index 3, its checkpoint of step 4 lost and a data file
+  deleted inside the newest (6): the run warns, naming 6, moves it to checkpoints-damaged/ (kept,
+  out of orbax's sight) and resumes from step 2 with index 0 (the one that checkpoint names),
+  points LATEST back at it and says so; it republishes step 3 as it gets there, saves 4 and 6
+  afresh and ends with the uninterrupted parameters and metrics rows."""
   import shutil
+  from realm_jax.retrieval.index_store import latest_index_dir
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted, workdir)
+  shutil.rmtree(workdir / "checkpoints" / "4")
   state = workdir / "checkpoints" / "6" / "state"
   biggest = max((p for p in state.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
   biggest.unlink()  # the array data (MBs of embeddings)
+  assert os.path.basename(latest_index_dir(workdir / "index")) == "index-00000003"
   code, out = run(str(workdir), data_dir)
   assert code == 0, out[-3000:]
   aside = list((workdir / "checkpoints-damaged").iterdir())
   assert [p.name.split("-")[0] for p in aside] == ["6"]
-  assert re.search(rf"The checkpoint {workdir}/checkpoints/6 is damaged \(.+\): step 4 is used "
+  assert re.search(rf"The checkpoint {workdir}/checkpoints/6 is damaged \(.+\): step 2 is used "
                    rf"instead; it is kept at {aside[0]} ", out), out[-3000:]
-  assert re.findall(r"Restored step (\d+)", out) == ["4"]
+  assert re.findall(r"Restored step (\d+)", out) == ["2"]
   assert not (aside[0] / biggest.relative_to(workdir / "checkpoints" / "6")).exists()
   assert (aside[0] / "meta" / "metadata").exists()  # the rest of it is still there
+  assert re.search(r"Resumed at step 2 with the index index-00000000; index-00000003 in \S+ were "
+                   r"published after the checkpoint and are not used \(LATEST now names "
+                   r"index-00000000 again", out), out[-3000:]
+  assert "Index refreshed at step 3" in out
+  assert os.path.basename(latest_index_dir(workdir / "index")) == "index-00000003"
   assert complete_checkpoints(workdir) == complete_checkpoints(uninterrupted)
+  # The rows the stopped run logged after step 2 were replaced, not repeated.
+  key = lambda r: (r["step"], r["split"], r.get("loss"))
+  assert [key(r) for r in read_rows(workdir)] == [key(r) for r in read_rows(uninterrupted)]
   got, want = final_params(str(workdir), 6), final_params(uninterrupted, 6)
   for (path, a), (_, b) in zip(got, want):
     np.testing.assert_array_equal(a, b, err_msg=str(path))
