@@ -82,12 +82,14 @@ def model_config(config) -> RealmConfig:
   return sized_model_config(config, base)
 
 
-def count_params(config, mc: RealmConfig, per_device: dict | None = None) -> dict[str, int]:
-  """Exact parameter counts {"retriever", "encoder"} of the run's models, from shapes only;
-  with `per_device` ({mesh axis: size}), those one device holds (realm_jax/sharding.py)."""
+def count_params(config, mc: RealmConfig, per_device: dict | None = None,
+                 shapes: dict | None = None) -> dict[str, int]:
+  """Exact parameter counts {"retriever", "encoder"} of the run's models, from shapes only
+  (`shapes`: the models' `init.param_shapes`, traced here when not given); with `per_device`
+  ({mesh axis: size}), those one device holds (realm_jax/sharding.py)."""
   from realm_jax import sharding
   from realm_jax.train.init import make_models, param_shapes
-  shapes = param_shapes(make_models(config, mc), mc)
+  shapes = shapes or param_shapes(make_models(config, mc), mc)
   if per_device:
     rules = sharding.config_rules(config)
     return {name: sharding.elements_per_device(tree, per_device, rules)
@@ -106,15 +108,16 @@ def _bert_activations(tokens: int, length: int, mc: RealmConfig, act_bytes: int)
 def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = None) -> dict:
   """Bytes per device of a run of `config` over `devices` devices and an index of `index_rows`."""
   from realm_jax import sharding
+  from realm_jax.train.init import make_models, param_shapes, retriever_model_config
   mc = mc or model_config(config)
-  counts = count_params(config, mc)
+  shapes = param_shapes(make_models(config, mc), mc)  # (traced once: ~0.6 s for a tiny run)
+  counts = count_params(config, mc, shapes=shapes)
   axes = sharding.mesh_axes(config.get("mesh", sharding.DEFAULT_MESH), devices, "--config.mesh")
   # Per device: the parameters as config.mesh splits them (all of them with data parallelism).
-  p = sum(count_params(config, mc, per_device=axes).values())
+  p = sum(count_params(config, mc, per_device=axes, shapes=shapes).values())
   b = -(-config.batch_size // (axes["data"] * axes["fsdp"]))  # examples per device
   micro = config.get("microbatch", 0) or b  # examples alive at once (the step's pieces)
   k, act = config.num_candidates, 2 if config.dtype == "bfloat16" else 4
-  from realm_jax.train.init import make_models, retriever_model_config
   rc = retriever_model_config(config, mc)  # the retriever may keep fewer layers
   activations = (
       _bert_activations(micro * config.query_length, config.query_length, rc, act)
