@@ -229,6 +229,23 @@ def _newer_cases(files):
       ("absent_answers-missing-questions", "absent_answers",
        ["--config=" + CONFIGS["finetune"], "--workdir={W}", "--config.data.local_dir=/nowhere/nq"],
        ["/nowhere/nq", "does not exist"]),
+      # The TPU compile entry point: each refused before anything is compiled.
+      ("compile_for-topology-not-a-slice", "compile_for",
+       ["--topology=v5e-300", "--config=" + CONFIGS["retro_train"]], ["powers of two"]),
+      ("compile_for-batch-over-more-parts", "compile_for",
+       ["--topology=v5e-16", "--config=" + CONFIGS["retro_train"]],
+       ["--config.batch_size=8 is not divisible by the 16 parts"]),
+      ("compile_for-mesh-not-the-devices", "compile_for",
+       ["--topology=v5e-8", "--mesh=data=3", "--config=" + CONFIGS["retro_train"]],
+       ["multiply to 3 devices"]),
+      ("compile_for-mesh-over-more-devices", "compile_for",
+       ["--topology=v5e-8", "--mesh=data=4,fsdp=4", "--config=" + CONFIGS["retro_train"]],
+       ["multiply to 16 devices, but there are 8"]),
+      ("compile_for-unknown-logical-axis", "compile_for",
+       ["--topology=v5e-8", "--config=" + CONFIGS["retro_train"],
+        "--config.sharding_rules=layers=fsdp"], ["'layers' is not a logical axis"]),
+      ("compile_for-config-of-no-step", "compile_for",
+       ["--topology=v5e-8", "--config=" + CONFIGS["finetune"]], ["RETRO"]),
   ]
 
 
