@@ -333,6 +333,19 @@ def test_metrics_writer_rewrites_instead_of_appending_and_resumes(gcs):
   rows = [row for _, row in io_utils.iter_jsonl(f"{workdir}/metrics.jsonl")]
   assert rows == [{"step": 1, "split": "train", "loss": 2.0},
                   {"step": 2, "split": "train", "loss": 1.25}]
+  # Killed before its first checkpoint, the run starts over and evaluates step 0 again: once.
+  # (It was logged twice, and the rows then differed from an uninterrupted run's.)
+  killed = MetricsWriter(workdir)
+  killed.resume_at(0)
+  for step, split in ((0, "heldout"), (1, "train")):
+    killed.write(step, {"loss": 3.0}, split)
+  killed.close()
+  over = MetricsWriter(workdir)
+  over.resume_at(0)
+  over.write(0, {"loss": 3.0}, "heldout")
+  over.close()
+  rows = [row for _, row in io_utils.iter_jsonl(f"{workdir}/metrics.jsonl")]
+  assert rows == [{"step": 0, "split": "heldout", "loss": 3.0}]
 
 
 def test_tensorboard_hides_the_events_a_resumed_run_logs_again(tmp_path):
