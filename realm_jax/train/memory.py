@@ -110,7 +110,8 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
   from realm_jax import sharding
   from realm_jax.train.init import make_models, param_shapes, retriever_model_config
   mc = mc or model_config(config)
-  shapes = param_shapes(make_models(config, mc), mc)  # (traced once: ~0.6 s for a tiny run)
+  models = make_models(config, mc)
+  shapes = param_shapes(models, mc)  # (traced once for both counts)
   counts = count_params(config, mc, shapes=shapes)
   axes = sharding.mesh_axes(config.get("mesh", sharding.DEFAULT_MESH), devices, "--config.mesh")
   # Per device: the parameters as config.mesh splits them (all of them with data parallelism).
@@ -126,7 +127,7 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
       + 2 * micro * k * config.max_masked * mc.vocab_size * 4) / axes["tensor"]
   shard_rows = -(-index_rows // devices)
   # Mean pooling (MiniLM, or config.pooling="mean" of random models) embeds to the hidden size.
-  mean = make_models(config, mc).retriever.pooling == "mean"
+  mean = models.retriever.pooling == "mean"
   dim = mc.hidden_size if mean else mc.retriever_proj_size
   index_bytes = 2 if config.index.dtype == "bfloat16" else 4
   config_checks.one_of(config, {"index.searcher": SEARCHERS})

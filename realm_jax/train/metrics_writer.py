@@ -87,20 +87,21 @@ class MetricsWriter:
     self.logdir = os.path.join(workdir, TENSORBOARD)
     self._tb = None
     self._text: list[str] | None = None  # metrics.jsonl: what was there, then one line a write
-    self._resumed_at: int | None = None
+    self._drop_from: int | None = None
 
   def resume_at(self, step: int) -> None:
     """The run resumed from `step`'s checkpoint: rows of later steps in metrics.jsonl were logged
     by a run that stopped before checkpointing them, and go (this run logs those steps again);
     TensorBoard is told to hide their events. At step 0 (no checkpoint: the run starts over and
     evaluates its starting point again) the rows of step 0 go too."""
-    self._resumed_at = int(step)
+    # The first step whose rows this run logs again (None: not resumed).
+    self._drop_from = int(step) + 1 if step else 0
 
   def write(self, step: int, metrics: dict[str, float], split: str) -> None:
     """Adds `metrics` of `step` as TensorBoard scalars `split/name` and one line of
     metrics.jsonl: {"step": step, "split": split, **metrics}."""
     if self._tb is None:
-      self._tb = _summary_writer(self.logdir, self._drop_from())
+      self._tb = _summary_writer(self.logdir, self._drop_from)
     for k, v in metrics.items():
       self._tb.add_scalar(f"{split}/{k}", v, step)
     self._tb.flush()
@@ -113,18 +114,12 @@ class MetricsWriter:
     self._text.append(json.dumps({"step": step, "split": split, **metrics}) + "\n")
     io_utils.write_text(self.path, "".join(self._text))
 
-  def _drop_from(self) -> int | None:
-    """The first step whose earlier rows this run logs again (None: not resumed)."""
-    if self._resumed_at is None:
-      return None
-    return self._resumed_at + 1 if self._resumed_at else 0
-
   def _later(self, line: str) -> bool:
     """Whether a row of metrics.jsonl is of a step this run logs again (`_drop_from` on)."""
-    if self._resumed_at is None:
+    if self._drop_from is None:
       return False
     try:
-      return int(json.loads(line)["step"]) >= self._drop_from()
+      return int(json.loads(line)["step"]) >= self._drop_from
     except (ValueError, TypeError, KeyError):  # not a row: kept as it was
       return False
 
