@@ -70,7 +70,7 @@ def main():
     c = get_config(variant)
     c.update(overrides)
     mc = memory.model_config(c)
-    est = memory.estimate(c, devices, blocks, mc)
+    est = memory.estimate(c, devices, blocks, mc, platform=memory.platform_of())
     xla = measured(c, mc, devices)
     step_est = sum(v for k, v in est["parts"].items() if k not in ("index shard", "search scratch"))
     print(memory.format_estimate(est, title=f"{variant} {overrides or ''}: estimate"))
@@ -82,7 +82,7 @@ def main():
           f"(ratio {step_est / xla['total']:.2f})\n")
   for name in SLICES:
     c = get_config(f"paper_{name}")
-    est = memory.estimate(c, c.slice.devices, memory.index_rows_for(c))
+    est = memory.estimate(c, c.slice.devices, memory.index_rows_for(c), platform="tpu")
     print(memory.format_estimate(est, c.slice.hbm_gib, f"paper_{name} on {c.slice.name}"
                                  f"{' (remat)' if c.remat else ''}: estimate") + "\n")
 

@@ -339,17 +339,24 @@ def test_flash_attention_compiles_for_a_v5e_slice_split_three_ways():
   assert p["model_flops_per_device"] > 0
 
 
+@needs_libtpu
 @pytest.mark.slow
-def test_tiny_pretraining_programs_compile_on_the_cpu_devices():
+def test_tiny_pretraining_programs_compile_for_a_v5e_slice_with_the_estimate_beside_them():
+  """REALM pre-training's three programs compile for v5e-8; the project's estimate for a TPU holds
+  the state (parameters and AdamW's moments, replicated) that the compiler allots within 20%, and
+  no float32 gradient or update buffer (memory.UPDATE_BUFFERS)."""
   from realm_jax.configs import pretrain as pretrain_configs
-  report = aot.compile_for(pretrain_configs.get_config("tiny"), "pretrain", "cpu-8",
+  report = aot.compile_for(pretrain_configs.get_config("tiny"), "pretrain", "v5e-8",
                            index_rows=1000)
   step, embed, search = (report["programs"][k] for k in ("train_step", "embed_queries", "search"))
-  assert step["params"] == step["trained_params"] > 0
+  assert step["params"] == step["trained_params"] > 0 and step["memory"]["fits"]
   assert step["collectives"]["all-reduce"]["bytes"] >= 4 * step["params"]
   assert embed["trained_params"] == 0 and embed["memory"]["total"] > 0
   # 1,000 rows of the index over 8 devices: 125 rows a device (float32, retriever_proj_size 16).
   assert search["memory"]["arguments"] >= 125 * 16 * 4 and search["calls_per_step"] == 1
+  held = step["estimate"]["parameters"] + step["estimate"]["optimizer state"]
+  assert 0.8 < held / step["memory"]["arguments"] < 1.2
+  assert "gradients" not in step["estimate"] and "update buffers" not in step["estimate"]
 
 
 def test_tiny_retro_compiles_split_over_fsdp_and_tensor_with_the_estimate_beside_it():

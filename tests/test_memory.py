@@ -104,23 +104,50 @@ def test_the_runs_it_estimates_are_known_by_their_configs():
 
 def test_retro_estimate_counts_the_state_and_under_fsdp_the_gathered_trained_weights():
   """By hand for the tiny RETRO (float32): 4 bytes a parameter held, 8 for AdamW's moments of the
-  trained ones, no float32 gradient or update buffer (the compiled step holds neither); split over
-  fsdp, the trained weights gathered whole (4 bytes each, float32). A RETROfit's frozen decoder
-  has no moments and is not gathered."""
+  trained ones, on a TPU no float32 gradient or update buffer (its compiled step holds neither);
+  split over fsdp, the trained weights gathered whole (4 bytes each, float32). A RETROfit's frozen
+  decoder has no moments and is not gathered."""
   from realm_jax.configs import retro
   c = retro.get_config("tiny")
-  whole = memory.retro_estimate(c, 8)   # data parallelism: all of it on every device
+  whole = memory.retro_estimate(c, 8, platform="tpu")  # data parallelism: all of it everywhere
   total = whole["params"]["decoder"]
   assert whole["parts"]["parameters"] == 4 * total
   assert whole["parts"]["optimizer state"] == 8 * total
   assert whole["parts"]["gathered weights"] == 0 and "gradients" not in whole["parts"]
   c.mesh = "data=2,fsdp=4"
-  split = memory.retro_estimate(c, 8)["parts"]
+  split = memory.retro_estimate(c, 8, platform="tpu")["parts"]
   assert split["gathered weights"] == 4 * total
   assert split["parameters"] < 4 * total / 2   # most of it split 4 ways along "embed"
   c.freeze_decoder = True
   c.mesh = "data=-1"
-  trained = memory.retro_estimate(c, 8)["parts"]["optimizer state"] // 8
+  trained = memory.retro_estimate(c, 8, platform="tpu")["parts"]["optimizer state"] // 8
   assert 0 < trained < total / 2
   c.mesh = "data=2,fsdp=4"
-  assert memory.retro_estimate(c, 8)["parts"]["gathered weights"] == 4 * trained
+  assert memory.retro_estimate(c, 8, platform="tpu")["parts"]["gathered weights"] == 4 * trained
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "retro"])
+def test_on_the_cpu_and_gpu_the_estimate_adds_a_float32_gradient_and_update_of_what_is_trained(
+    kind):
+  """XLA:CPU's compiled step holds a float32 gradient and an update buffer of each trained
+  parameter that the TPU compiler's does not (docs/tpu.md): 8 bytes a trained parameter per
+  device, by hand (REALM's tiny retriever and encoder all trained; a RETROfit's frozen decoder
+  not), nothing else changed; an unknown platform is refused."""
+  from realm_jax.configs import pretrain, retro
+  if kind == "pretrain":
+    c = pretrain.get_config("tiny")
+    est = lambda platform: memory.estimate(c, 8, 1000, platform=platform)
+    trained = lambda e: sum(e["params"].values())
+  else:
+    c = retro.get_config("tiny")
+    c.freeze_decoder = True
+    est = lambda platform: memory.retro_estimate(c, 8, platform=platform)
+    trained = lambda e: e["parts"]["optimizer state"] // 8
+  tpu, cpu, gpu = est("tpu"), est("cpu"), est("gpu")
+  n = trained(tpu)
+  assert 0 < n and (kind == "pretrain" or n < tpu["params"]["decoder"] / 2)
+  assert cpu["parts"] == gpu["parts"] == {**tpu["parts"], "gradients": 4 * n,
+                                          "update buffers": 4 * n}
+  assert cpu["total"] == tpu["total"] + 8 * n
+  with pytest.raises(ValueError, match="'metal' platform: use one of"):
+    est("metal")

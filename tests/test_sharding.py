@@ -75,6 +75,6 @@ def test_memory_estimate_index_shard_has_the_embedding_width(pooling, dim):
   docs = jax.eval_shape(lambda p: retriever.apply(p, ids, ids, ids, method="embed_documents"),
                         params)
   assert docs.shape == (2, dim)  # what the index will hold, from the models themselves
-  est = memory.estimate(config, devices=8, index_rows=1000, mc=mc)
+  est = memory.estimate(config, devices=8, index_rows=1000, mc=mc, platform="cpu")
   assert est["dim"] == dim
   assert est["parts"]["index shard"] == 125 * dim * 4  # 1000 / 8 float32 rows

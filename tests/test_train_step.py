@@ -325,7 +325,7 @@ def test_memory_estimate_against_xla():
     models, _, _ = build_models(c)
     real = {n: sum(x.size for x in jax.tree.leaves(_init(m, mc, jax.random.key(0))))
             for n, m in (("retriever", models.retriever), ("encoder", models.encoder))}
-    est = memory.estimate(c, devices, 96, mc)
+    est = memory.estimate(c, devices, 96, mc, platform="cpu")
     assert est["params"] == real
     step = sum(v for k, v in est["parts"].items() if k not in ("index shard", "search scratch"))
     xla = measured(c, mc, devices)["total"]
@@ -340,13 +340,13 @@ def test_memory_estimate_counts_the_index_on_device_only_for_device_searchers():
   c = get_config("tiny")
   mc = memory.model_config(c)
   rows, devices = 1000, 8
-  exact = memory.estimate(c, devices, rows, mc)["parts"]
+  exact = memory.estimate(c, devices, rows, mc, platform="cpu")["parts"]
   # 1000 rows over 8 devices, the 16-dim projection of the tiny model, float32; 8 queries.
   assert (c.init, mc.retriever_proj_size, c.batch_size) == ("random", 16, 8)
   assert exact["index shard"] == 125 * 16 * 4
   assert exact["search scratch"] == 8 * 125 * 4
   c.index.searcher = "scann"
-  scann = memory.estimate(c, devices, rows, mc)["parts"]
+  scann = memory.estimate(c, devices, rows, mc, platform="cpu")["parts"]
   assert scann["index shard"] == scann["search scratch"] == 0
   assert {k: v for k, v in scann.items() if "index" not in k and "search" not in k} == {
       k: v for k, v in exact.items() if "index" not in k and "search" not in k}

@@ -161,7 +161,8 @@ def compile_program(program: steps.Program, mesh: Mesh, chip: topologies.Chip | 
   out = {"params": program.params, "trained_params": program.trained,
          "calls_per_step": program.calls, "model_flops_per_device": flops}
   if program.estimate is not None:
-    out["estimate"] = {k: int(v) for k, v in program.estimate(devices).items()}
+    platform = "tpu" if chip else "cpu"  # the CPU devices of this process otherwise
+    out["estimate"] = {k: int(v) for k, v in program.estimate(devices, platform).items()}
     out["estimate"]["total"] = sum(out["estimate"].values())
   capacity = chip.device_hbm_bytes if chip else None
   try:

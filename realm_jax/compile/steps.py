@@ -34,8 +34,8 @@ class Program:
   roles: each argument's role (ROLES); out_roles: each output's (one role: all of them).
   donate: the arguments the trainer donates.
   params, trained: the parameters in the state, and those the optimizer updates.
-  estimate: estimate(devices) -> the project's own memory estimate per device (train/memory.py),
-    bytes by part, when there is one.
+  estimate: estimate(devices, platform) -> the project's own memory estimate per device on
+    `platform` ("cpu", "tpu"; train/memory.py), bytes by part, when there is one.
   calls: how many times a training step calls it.
   """
   fn: Callable
@@ -45,7 +45,7 @@ class Program:
   donate: tuple[int, ...] = ()
   params: int = 0
   trained: int = 0
-  estimate: Callable[[int], dict] | None = None
+  estimate: Callable[[int, str], dict] | None = None
   calls: int = 1
 
 
@@ -124,8 +124,8 @@ def retro_programs(config) -> dict[str, Program]:
                              dropout=config.model.dropout > 0)
     trained = count(params, lambda path: not (
         config.freeze_decoder and decoder.is_decoder_param(path)))
-    estimate = lambda devices, m=model_config: memory.retro_estimate(
-        config, devices, db.tokenizer.vocab_size, model=m)["parts"]
+    estimate = lambda devices, platform, m=model_config: memory.retro_estimate(
+        config, devices, db.tokenizer.vocab_size, model=m, platform=platform)["parts"]
     out[name] = Program(step, (state, batch, abstract_rng()), ("state", "batch", "replicated"),
                         ("state", "replicated"), donate=(0,), params=count(params),
                         trained=trained, estimate=estimate)
@@ -198,7 +198,7 @@ def pretrain_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
   batch = pretrain_batch(config, config.batch_size)
   frozen = config.get("retriever_learning_rate", -1.0) == 0
   rows = index_rows or memory.index_rows_for(config)
-  estimate = lambda d: memory.estimate(config, d, rows, mc)["parts"]
+  estimate = lambda d, platform: memory.estimate(config, d, rows, mc, platform=platform)["parts"]
   embed = lambda p, q: models.retriever.apply(
       {"params": p}, q["input_ids"], q["attention_mask"], q["token_type_ids"],
       method="embed_queries")

@@ -8,9 +8,10 @@ realm_jax/sharding.py; the batch over "data" x "fsdp", the index over every devi
 
   parameters        4 P bytes (float32; P = retriever + encoder parameters, counted exactly by
                     abstract initialisation of the models, nothing allocated)
-  gradients         4 P
   optimiser state   8 P (AdamW's two moments)
-  update buffers    4 P (the new parameters, while the old are kept in case the step is skipped)
+  gradients         4 P, on the CPU and GPU only (see UPDATE_BUFFERS)
+  update buffers    4 P (the new parameters, while the old are kept in case the step is
+                    skipped), on the CPU and GPU only
   activations       kept for the backward pass by the three BERT passes of a step: the query tower
                     on b x Lq tokens, the document tower on b x K x Ld and the encoder on b x K x Le
                     (b = examples per device). Per layer and token, (34 h + 5 a L) bytes with 16-bit
@@ -49,6 +50,32 @@ SEARCH_QUERY_BATCH = 256  # ExactSearcher's query_batch_size (retrieval/exact.py
 # XLA:CPU's compiled train step of the tiny and earlier 2-layer demo configs took up to 1.65x the
 # estimate (benchmarks/memory.py; benchmarks/README.md): the verdict keeps that margin.
 MARGIN = 1.7
+# Whether a platform's compiled train step holds a float32 gradient and an update buffer of every
+# trained parameter beside the parameters and AdamW's moments (docs/tpu.md, 2026-11-30). XLA:CPU's
+# does (its buffer assignment of the REALM step, benchmarks/memory.py: 1.15-1.41x the estimate with
+# them, 1.44-1.72x without); the TPU compiler's does not (it all-reduces the gradient in the
+# compute dtype as it is made and updates in place: REALM's paper configs on v4-64 and v5e-256
+# came to 1.35x / 1.41x the compiler's figure with them, 1.08x / 0.91x without). Not measured on a
+# GPU: counted there, the safe side.
+UPDATE_BUFFERS = {"cpu": True, "gpu": True, "tpu": False}
+
+
+def update_buffers(platform: str, trained: int) -> dict[str, int]:
+  """The parts {"gradients", "update buffers"} that `platform`'s compiled step holds for
+  `trained` parameters per device (none on a TPU; UPDATE_BUFFERS)."""
+  if platform not in UPDATE_BUFFERS:
+    raise ValueError(f"no memory estimate for the {platform!r} platform: use one of "
+                     f"{tuple(UPDATE_BUFFERS)}.")
+  if not UPDATE_BUFFERS[platform]:
+    return {}
+  return {"gradients": 4 * trained, "update buffers": 4 * trained}
+
+
+def platform_of(device=None) -> str:
+  """The memory estimate's platform of `device` (default: this process's first): "cpu", "tpu",
+  or "gpu" for any other accelerator (CUDA, ROCm, ...: its buffers counted, the safe side)."""
+  device = device or jax.local_devices()[0]
+  return device.platform if device.platform in ("cpu", "tpu") else "gpu"
 
 
 def run_kind(config, flag: str = "--config") -> str:
@@ -105,8 +132,10 @@ def _bert_activations(tokens: int, length: int, mc: RealmConfig, act_bytes: int)
   return tokens * mc.num_hidden_layers * per_token_layer
 
 
-def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = None) -> dict:
-  """Bytes per device of a run of `config` over `devices` devices and an index of `index_rows`."""
+def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = None, *,
+             platform: str) -> dict:
+  """Bytes per device of a run of `config` over `devices` devices of `platform` ("cpu", "gpu",
+  "tpu") and an index of `index_rows`."""
   from realm_jax import sharding
   from realm_jax.train.init import make_models, param_shapes, retriever_model_config
   mc = mc or model_config(config)
@@ -133,26 +162,26 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
   config_checks.one_of(config, {"index.searcher": SEARCHERS})
   on_device = SEARCHERS[config.index.searcher].on_device  # else the index is in host memory
   parts = {
-      "parameters": 4 * p, "gradients": 4 * p, "optimizer state": 8 * p,
-      # The guarded update keeps the old parameters until the new ones are known to be finite.
-      "update buffers": 4 * p,
+      "parameters": 4 * p, "optimizer state": 8 * p, **update_buffers(platform, p),
       "activations": activations,
       "index shard": on_device * shard_rows * dim * index_bytes,
       "search scratch": on_device * min(min(SEARCH_QUERY_BATCH, config.batch_size) * shard_rows * 4,
                                         MAX_SCORE_BYTES),
   }
   return {"parts": parts, "total": sum(parts.values()), "params": counts, "devices": devices,
-          "examples_per_device": b, "index_rows": index_rows, "shard_rows": shard_rows,
-          "dim": dim}
+          "platform": platform, "examples_per_device": b, "index_rows": index_rows,
+          "shard_rows": shard_rows, "dim": dim}
 
 
-def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None) -> dict:
+def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None, *,
+                   platform: str) -> dict:
   """Bytes per device of a RETRO run (realm_jax/configs/retro.py): the RETRO decoder's parameters
   (from shapes only) with AdamW's moments for the trained ones only (a RETROfit's frozen decoder
   has none), under fsdp the trained weights gathered whole, and the activations of its sequences,
   neighbour tokens and logits; the chunk index lives on the host (not counted). `model`: the
   run's RetroConfig (default: built from config.model, or from config.init's pre-trained
-  decoder)."""
+  decoder); on the CPU and GPU, a float32 gradient and an update buffer of the trained ones
+  (`update_buffers`)."""
   from realm_jax import sharding
   from realm_jax.checkpoints import decoder
   from realm_jax.models.retro import RetroConfig, RetroModel, cca_layers
@@ -197,16 +226,16 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None) ->
                  + 2 * b * length * vocab_size * 4)   # float32 logits and their gradient
   activations /= axes["tensor"]  # heads, feed-forward width and vocabulary split over "tensor"
   # What the TPU compiler holds besides (docs/tpu.md, 2026-11-29): no whole float32 gradient or
-  # update buffer (the gradient is all-reduced in the compute dtype and the update done in place:
-  # counting 8 bytes a trained parameter for them put the estimate at 1.34-1.58x the compiler's
+  # update buffer (UPDATE_BUFFERS: counting them put the estimate at 1.34-1.58x the compiler's
   # with data parallelism, 0.97-1.10x without); split over fsdp, the trained weights gathered
   # whole in the compute dtype (`paper_7.5b`: 0.60x without them, 0.96x with).
   gathered = act * sharding.elements_per_device(
       shapes, {**axes, "fsdp": 1}, rules, keep=is_trained) if axes["fsdp"] > 1 else 0
-  parts = {"parameters": 4 * p, "optimizer state": 8 * trained, "gathered weights": gathered,
+  parts = {"parameters": 4 * p, "optimizer state": 8 * trained,
+           **update_buffers(platform, trained), "gathered weights": gathered,
            "activations": activations}
   return {"parts": parts, "total": sum(parts.values()), "params": {"decoder": p_all},
-          "devices": devices, "examples_per_device": b, "sequence": length}
+          "devices": devices, "platform": platform, "examples_per_device": b, "sequence": length}
 
 
 def format_retro_estimate(est: dict, capacity_gib: float = 0.0, title: str = "") -> str:

@@ -87,7 +87,7 @@ class Trainer(loop.TrainLoop):
     self.embedder = DocumentEmbedder(self.models, self.corpus, tok, config.doc_length,
                                      config.index.embed_batch_size)
     self.memory_estimate = memory.estimate(config, jax.device_count(), len(self.corpus),
-                                           self.model_config)
+                                           self.model_config, platform=memory.platform_of())
     capacity = memory.device_memory()  # this machine's; else the slice the config plans for
     planned_gib = config.slice.hbm_gib if config.get("slice") else 0.0
     logging.info("%s", memory.format_estimate(

@@ -127,7 +127,7 @@ class RetroTrainer(loop.TrainLoop):
     loop.check_workdir_config(config, workdir, FIXED_SETTINGS)
     self.module = RetroModel(self.model_config)
     est = memory.retro_estimate(config, jax.device_count(), db.tokenizer.vocab_size,
-                                model=self.model_config)
+                                model=self.model_config, platform=memory.platform_of())
     logging.info("%s", memory.format_retro_estimate(est, title=f"{self.name}: memory per device "
                                                     "(estimate)"))
     params = self._initial_params()
