@@ -112,6 +112,7 @@ backend_config={"known_trip_count":{"n":"12"}}
   %init2 = (s32[], f32[16]{0}) tuple(%c1, %z)
   %loop2 = (s32[], f32[16]{0}) while(%init2), condition=%cond, body=%body2
   %cat = f32[16]{0} custom-call(%z), custom_call_target="ConcatBitcast"
+  %x64 = u64[2]{0} custom-call(%z), custom_call_target="X64Combine"
   ROOT %out = f32[8]{0} copy(%g)
 }
 """
@@ -129,8 +130,8 @@ def test_collectives_of_hand_written_hlo():
                                        "bytes_by_type": {"bf16": 12 * 4 * 128 * 2}}
   assert count_bytes("all-to-all") == (1, 16 * 4)
   assert got["unknown_trip_counts"] == 1
-  assert hlo.unestimated_calls(HLO) == 1 and hlo.while_loops(HLO) == 2
-  assert hlo.custom_calls(HLO) == {"ConcatBitcast": 1}
+  assert hlo.unestimated_calls(HLO) == 2 and hlo.while_loops(HLO) == 2
+  assert hlo.custom_calls(HLO) == {"ConcatBitcast": 1, "X64Combine": 1}
   assert hlo.shape_bytes("(bf16[2,3]{1,0}, pred[], s4[10])") == 12 + 1 + 10
 
 
@@ -344,10 +345,14 @@ def test_flash_attention_compiles_for_a_v5e_slice_split_three_ways():
 def test_tiny_pretraining_programs_compile_for_a_v5e_slice_with_the_estimate_beside_them():
   """REALM pre-training's three programs compile for v5e-8; the project's estimate for a TPU holds
   the state (parameters and AdamW's moments, replicated) that the compiler allots within 20%, and
-  no float32 gradient or update buffer (memory.UPDATE_BUFFERS)."""
+  no float32 gradient or update buffer (memory.UPDATE_BUFFERS). The dropout masks drawn by XLA's
+  RngBitGenerator (config.rng_impl="rbg", the paper configs'): the compiler's -1 s for each of
+  their X64Combine calls is added back, and the step time is positive."""
   from realm_jax.configs import pretrain as pretrain_configs
-  report = aot.compile_for(pretrain_configs.get_config("tiny"), "pretrain", "v5e-8",
-                           index_rows=1000)
+  config = pretrain_configs.get_config("tiny")
+  assert config.dropout
+  config.rng_impl = "rbg"
+  report = aot.compile_for(config, "pretrain", "v5e-8", index_rows=1000)
   step, embed, search = (report["programs"][k] for k in ("train_step", "embed_queries", "search"))
   assert step["params"] == step["trained_params"] > 0 and step["memory"]["fits"]
   assert step["collectives"]["all-reduce"]["bytes"] >= 4 * step["params"]
@@ -357,6 +362,10 @@ def test_tiny_pretraining_programs_compile_for_a_v5e_slice_with_the_estimate_bes
   held = step["estimate"]["parameters"] + step["estimate"]["optimizer state"]
   assert 0.8 < held / step["memory"]["arguments"] < 1.2
   assert "gradients" not in step["estimate"] and "update buffers" not in step["estimate"]
+  calls = step["custom_calls"]
+  assert calls["X64Combine"] > 0
+  assert step["unestimated_calls"] == calls["X64Combine"] + calls.get("ConcatBitcast", 0)
+  assert step["optimal_seconds_reported"] < -calls["X64Combine"] < 0 < step["optimal_seconds"]
 
 
 def test_tiny_retro_compiles_split_over_fsdp_and_tensor_with_the_estimate_beside_it():

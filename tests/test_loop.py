@@ -212,3 +212,16 @@ def test_progress_bar_fields_show_nan_for_what_a_window_lacks():
   assert loop.postfix({"loss": 1.23456, "examples_per_s": 7.66}, loss=("loss", ".3f"),
                       acc=("accuracy", ".3f"), ex_s=("examples_per_s", ".1f")) == {
                           "loss": "1.235", "acc": "nan", "ex_s": "7.7"}
+
+
+def test_the_dropout_key_is_drawn_by_the_configs_generator(tmp_path):
+  """config.rng_impl: the key the loop hands every step is seed + 1 of that jax.random generator
+  (threefry2x32 where the config names none); an unknown one is refused, naming the flag."""
+  for impl in ("rbg", "threefry2x32", None):
+    config = _config(seed=4) if impl is None else _config(seed=4, rng_impl=impl)
+    rng = Toy(config, str(tmp_path / str(impl))).rng
+    want = jax.random.key(5, impl=impl or "threefry2x32")
+    assert str(jax.random.key_impl(rng)) == str(jax.random.key_impl(want))
+    np.testing.assert_array_equal(jax.random.key_data(rng), jax.random.key_data(want))
+  with pytest.raises(ValueError, match="--config.rng_impl='philox': use one of threefry2x32"):
+    Toy(_config(rng_impl="philox"), str(tmp_path / "bad"))

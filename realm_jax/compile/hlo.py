@@ -156,8 +156,9 @@ def _reaches(start: str, targets: set, down: dict) -> bool:
 
 
 # Custom calls the TPU cost model gives -1 s each in `optimal_seconds`: ConcatBitcast joins the
-# slices of a sliced prefetch (memory-space assignment), itself a bitcast.
-UNESTIMATED_CALLS = ("ConcatBitcast",)
+# slices of a sliced prefetch (memory-space assignment), itself a bitcast; X64Combine joins two
+# 32-bit halves into a 64-bit value (the `rbg` random-number generator's, config.rng_impl).
+UNESTIMATED_CALLS = ("ConcatBitcast", "X64Combine")
 
 
 def unestimated_calls(hlo_text: str) -> int:

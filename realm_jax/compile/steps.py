@@ -61,8 +61,10 @@ def count(tree, keep: Callable | None = None) -> int:
              if keep is None or keep(path))
 
 
-def abstract_rng():
-  return jax.eval_shape(lambda: jax.random.key(0))
+def abstract_rng(config):
+  """The shape of the run's dropout key (its generator: config.rng_impl)."""
+  from realm_jax.train.loop import dropout_key
+  return jax.eval_shape(lambda: dropout_key(config))
 
 
 # ------------------------------------------------------------------------------------- RETRO
@@ -126,7 +128,7 @@ def retro_programs(config) -> dict[str, Program]:
         config.freeze_decoder and decoder.is_decoder_param(path)))
     estimate = lambda devices, platform, m=model_config: memory.retro_estimate(
         config, devices, db.tokenizer.vocab_size, model=m, platform=platform)["parts"]
-    out[name] = Program(step, (state, batch, abstract_rng()), ("state", "batch", "replicated"),
+    out[name] = Program(step, (state, batch, abstract_rng(config)), ("state", "batch", "replicated"),
                         ("state", "replicated"), donate=(0,), params=count(params),
                         trained=trained, estimate=estimate)
   return out
@@ -205,7 +207,7 @@ def pretrain_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
   dim = jax.eval_shape(embed, params["retriever"], batch["query"]).shape[-1]
   search = search_program(config, mesh, rows, dim)
   return {
-      "train_step": Program(step, (state, batch, abstract_rng()), ("state", "batch", "replicated"),
+      "train_step": Program(step, (state, batch, abstract_rng(config)), ("state", "batch", "replicated"),
                             ("state", "replicated"), donate=(0,), params=count(params),
                             trained=count(params, lambda path: not (
                                 frozen and path[0].key == "retriever")),

@@ -69,6 +69,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   # embed=fsdp,vocab=tensor,heads=tensor,mlp=tensor).
   c.mesh = "data=-1"
   c.sharding_rules = ""
+  c.rng_impl = "threefry2x32"     # the dropout masks' generator: threefry2x32 | rbg (TPU; loop.py)
   c.profile_start = 10            # profile_steps > 0: a trace of steps profile_start.. in tb/,
   c.profile_steps = 0             # and the time per XLA op in the log (train/profile.py)
   c.export_dir = ""               # default: <workdir>/export

@@ -115,6 +115,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   # embed=fsdp,vocab=tensor,heads=tensor,mlp=tensor).
   c.mesh = "data=-1"
   c.sharding_rules = ""
+  c.rng_impl = "threefry2x32"     # the dropout masks' generator: threefry2x32 | rbg (TPU; loop.py)
   c.profile_start = 10            # profile_steps > 0: a trace of steps profile_start.. in tb/,
   c.profile_steps = 0             # and the time per XLA op in the log (train/profile.py)
 
@@ -196,6 +197,9 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
       # 16 GiB of a v3 core / v4 chip / v5e chip (python benchmarks/memory.py): recompute each
       # layer in the backward pass instead.
       c.remat = True
+      # BERT's dropout with threefry masks had not compiled for a TPU slice after 28 minutes;
+      # with XLA's RngBitGenerator it compiles in 5 (docs/tpu.md).
+      c.rng_impl = "rbg"
   else:
     raise ValueError(f"Unknown pretrain config {arg!r}: use demo, small, tiny, paper or one of "
                      f"{[f'paper_{s}' for s in SLICES]}.")

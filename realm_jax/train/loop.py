@@ -105,6 +105,7 @@ def train(trainer: Callable[[Any, str], "TrainLoop"], config, workdir: str):
   """`trainer(config, workdir).run()` holding the workdir's lock (one run per workdir, taken
   before anything is written there), after `jax.distributed` start-up when config.distributed."""
   sharding.check_config(config)
+  rng_impl(config)
   if config.get("distributed", False):
     distributed.initialize()
   with workdir_lock.hold(workdir):
@@ -155,6 +156,26 @@ def count_bad_steps(bad_steps: int, skipped: float, step: int, max_bad_steps: in
   return bad_steps
 
 
+# Random-number generators of the dropout masks (config.rng_impl; jax.random's implementations):
+# "threefry2x32", jax's default, draws the same bits on every platform; "rbg" (XLA's
+# RngBitGenerator) is the one to use on a TPU: REALM's paper step with BERT's dropout on had not
+# compiled for a TPU slice after 28 minutes with threefry and compiled in 5 with rbg (docs/tpu.md).
+RNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+def rng_impl(config) -> str:
+  """config.rng_impl (threefry2x32 for a config that names none); ValueError for an unknown one."""
+  impl = config.get("rng_impl", RNG_IMPLS[0])
+  if impl not in RNG_IMPLS:
+    raise ValueError(f"--config.rng_impl={impl!r}: use one of {', '.join(RNG_IMPLS)}.")
+  return impl
+
+
+def dropout_key(config):
+  """The run's dropout key: seed + 1, drawn by config.rng_impl's generator."""
+  return jax.random.key(config.seed + 1, impl=rng_impl(config))
+
+
 class TrainLoop:
   """A run's set-up and its loop; subclasses fill in the hooks (see the module docstring)."""
 
@@ -184,7 +205,7 @@ class TrainLoop:
     self.index_mesh = Mesh(self.mesh.devices.reshape(-1), ("data",))
     self.data_sharding = sharding.batch_sharding(self.mesh)
     self.host_batch = config.batch_size // jax.process_count()
-    self.rng = jax.random.key(config.seed + 1)
+    self.rng = dropout_key(config)
     self.bad_steps = 0
 
   def param_shardings(self, params):

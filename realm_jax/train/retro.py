@@ -51,6 +51,7 @@ def check_settings(config, workdir: str) -> None:
   """Refuses settings no run can use, naming the flag, before the database or any compiling."""
   config_checks.workdir(workdir)
   sharding.check_config(config)
+  loop.rng_impl(config)
   config_checks.at_least(config, {
       **loop.LOOP_MINIMUMS, "learning_rate": 0, "eval_sequences": 1, "eval_batch_size": 1,
       "model.num_layers": 1,
