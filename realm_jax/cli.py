@@ -24,6 +24,8 @@ from typing import Callable, NoReturn
 
 from absl import app, flags
 
+from realm_jax import libtpu_flags
+
 USER_ERRORS = (ValueError, OSError)
 
 
@@ -114,6 +116,7 @@ def run(main: Callable[[list[str]], None], stray_hint: str = "") -> None:
   Arguments that are not flags are refused (`stray_hint` says what the user may have meant)."""
 
   def guarded(argv: list[str]) -> None:
+    libtpu_flags.add()  # before anything starts libtpu (a TPU run; compile_for)
     if len(argv) > 1:
       fail(f"unexpected arguments {argv[1:]}: "
            f"{stray_hint or 'every setting is a --flag=value (see --helpshort)'}.")

@@ -6,6 +6,7 @@ any compiling: tests/test_cli.py's table.)"""
 import functools
 import json
 import os
+import re
 import sys
 
 import jax
@@ -364,7 +365,7 @@ def test_tiny_pretraining_programs_compile_for_a_v5e_slice_with_the_estimate_bes
   assert "gradients" not in step["estimate"] and "update buffers" not in step["estimate"]
   calls = step["custom_calls"]
   assert calls["X64Combine"] > 0
-  assert step["unestimated_calls"] == calls["X64Combine"] + calls.get("ConcatBitcast", 0)
+  assert step["unestimated_calls"] == sum(calls.get(c, 0) for c in hlo.UNESTIMATED_CALLS)
   assert step["optimal_seconds_reported"] < -calls["X64Combine"] < 0 < step["optimal_seconds"]
 
 
@@ -384,3 +385,37 @@ def test_tiny_retro_compiles_split_over_fsdp_and_tensor_with_the_estimate_beside
   # the estimate's parameters and optimizer state per device are that within 20%.
   held = split["estimate"]["parameters"] + split["estimate"]["optimizer state"]
   assert 0.8 < held / split["memory"]["arguments"] < 1.2
+
+
+@needs_libtpu
+def test_random_bits_are_drawn_per_device_on_a_tpu_slice():
+  """XLA's RngBitGenerator (config.rng_impl="rbg") draws a split mask per device only with
+  libtpu_flags set before libtpu starts (topology.devices sets them): for a [8 x 2048, 1024]
+  dropout mask split over v5e-8, the compiled program draws [2048, 1024] bits on each device, not
+  the whole [16384, 1024] that every device draws without the flag."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  devices = topology.devices(topology.parse("v5e-8"))
+  assert "--xla_tpu_spmd_rng_bit_generator_unsafe=true" in os.environ["LIBTPU_INIT_ARGS"]
+  split = NamedSharding(Mesh(np.array(devices), ("data",)), P("data"))
+
+  def dropout(x, seed):
+    keep = jax.random.bernoulli(jax.random.key(seed, impl="rbg"), 0.9, x.shape)
+    return jnp.where(keep, x / 0.9, 0)
+
+  x = jax.ShapeDtypeStruct((8 * 2048, 1024), jnp.float32, sharding=split)
+  seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=NamedSharding(split.mesh, P()))
+  text = jax.jit(dropout, out_shardings=split).lower(x, seed).compile().as_text()
+  drawn = re.findall(r"= (u32\[[0-9,]+\])\S* rng-bit-generator\(", text)
+  assert drawn == ["u32[2048,1024]"]
+
+
+def test_libtpu_flags_are_added_once_and_a_users_own_value_is_kept():
+  from realm_jax import libtpu_flags
+  env = {}
+  libtpu_flags.add(env)
+  assert env["LIBTPU_INIT_ARGS"].split() == list(libtpu_flags.FLAGS)
+  libtpu_flags.add(env)
+  assert env["LIBTPU_INIT_ARGS"].split() == list(libtpu_flags.FLAGS)
+  env = {"LIBTPU_INIT_ARGS": "--xla_tpu_spmd_rng_bit_generator_unsafe=false --other=1"}
+  libtpu_flags.add(env)
+  assert env["LIBTPU_INIT_ARGS"] == "--xla_tpu_spmd_rng_bit_generator_unsafe=false --other=1"

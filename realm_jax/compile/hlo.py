@@ -156,9 +156,10 @@ def _reaches(start: str, targets: set, down: dict) -> bool:
 
 
 # Custom calls the TPU cost model gives -1 s each in `optimal_seconds`: ConcatBitcast joins the
-# slices of a sliced prefetch (memory-space assignment), itself a bitcast; X64Combine joins two
-# 32-bit halves into a 64-bit value (the `rbg` random-number generator's, config.rng_impl).
-UNESTIMATED_CALLS = ("ConcatBitcast", "X64Combine")
+# slices of a sliced prefetch (memory-space assignment), itself a bitcast; X64Combine,
+# X64SplitHigh and X64SplitLow join and split the 64-bit state of the `rbg` random-number
+# generator (config.rng_impl; each -1 s, measured on a compiled bernoulli mask, docs/tpu.md).
+UNESTIMATED_CALLS = ("ConcatBitcast", "X64Combine", "X64SplitHigh", "X64SplitLow")
 
 
 def unestimated_calls(hlo_text: str) -> int:

@@ -24,6 +24,8 @@ import math
 import os
 import re
 
+from realm_jax import libtpu_flags
+
 GIB = 1 << 30
 INSTALL_HINT = ('install the TPU compiler (libtpu) with `pip install -e ".[tpu-compile]"` (or '
                 '`pip install "jax[tpu]==<your jax version>"`); compiling needs no TPU')
@@ -170,6 +172,7 @@ def devices(topology: Topology) -> list:
                      ("TPU_WORKER_HOSTNAMES", "localhost"),
                      ("TPU_ACCELERATOR_TYPE", topology.accelerator_type)):
     os.environ.setdefault(key, value)
+  libtpu_flags.add()  # the settings realm_jax's programs need (read when libtpu starts)
   from jax.experimental import topologies
   shape = topology.shape
   host = (2, 2, 1) if len(shape) == 3 else tuple(min(2, d) for d in shape) + (1,)
