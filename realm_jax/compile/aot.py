@@ -161,7 +161,7 @@ def compile_program(program: steps.Program, mesh: Mesh, chip: topologies.Chip | 
   out = {"params": program.params, "trained_params": program.trained,
          "calls_per_step": program.calls, "model_flops_per_device": flops}
   if program.estimate is not None:
-    platform = "tpu" if chip else "cpu"  # the CPU devices of this process otherwise
+    platform = memory.platform_of(mesh.devices.flat[0])  # the slice's, or this process's CPU
     out["estimate"] = {k: int(v) for k, v in program.estimate(devices, platform).items()}
     out["estimate"]["total"] = sum(out["estimate"].values())
   capacity = chip.device_hbm_bytes if chip else None

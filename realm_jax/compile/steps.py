@@ -128,8 +128,9 @@ def retro_programs(config) -> dict[str, Program]:
         config.freeze_decoder and decoder.is_decoder_param(path)))
     estimate = lambda devices, platform, m=model_config: memory.retro_estimate(
         config, devices, db.tokenizer.vocab_size, model=m, platform=platform)["parts"]
-    out[name] = Program(step, (state, batch, abstract_rng(config)), ("state", "batch", "replicated"),
-                        ("state", "replicated"), donate=(0,), params=count(params),
+    out[name] = Program(step, (state, batch, abstract_rng(config)),
+                        ("state", "batch", "replicated"), ("state", "replicated"), donate=(0,),
+                        params=count(params),
                         trained=trained, estimate=estimate)
   return out
 
@@ -207,8 +208,9 @@ def pretrain_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
   dim = jax.eval_shape(embed, params["retriever"], batch["query"]).shape[-1]
   search = search_program(config, mesh, rows, dim)
   return {
-      "train_step": Program(step, (state, batch, abstract_rng(config)), ("state", "batch", "replicated"),
-                            ("state", "replicated"), donate=(0,), params=count(params),
+      "train_step": Program(step, (state, batch, abstract_rng(config)),
+                            ("state", "batch", "replicated"), ("state", "replicated"),
+                            donate=(0,), params=count(params),
                             trained=count(params, lambda path: not (
                                 frozen and path[0].key == "retriever")),
                             estimate=estimate),

@@ -169,8 +169,8 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
                                         MAX_SCORE_BYTES),
   }
   return {"parts": parts, "total": sum(parts.values()), "params": counts, "devices": devices,
-          "platform": platform, "examples_per_device": b, "index_rows": index_rows,
-          "shard_rows": shard_rows, "dim": dim}
+          "examples_per_device": b, "index_rows": index_rows, "shard_rows": shard_rows,
+          "dim": dim}
 
 
 def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None, *,
@@ -235,7 +235,7 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None, *,
            **update_buffers(platform, trained), "gathered weights": gathered,
            "activations": activations}
   return {"parts": parts, "total": sum(parts.values()), "params": {"decoder": p_all},
-          "devices": devices, "platform": platform, "examples_per_device": b, "sequence": length}
+          "devices": devices, "examples_per_device": b, "sequence": length}
 
 
 def format_retro_estimate(est: dict, capacity_gib: float = 0.0, title: str = "") -> str:
