@@ -28,7 +28,12 @@ STEPS = 3  # the index refreshed at step 2, then one step on it
 FLAGS = ["--config=realm_jax/configs/pretrain.py:tiny", "--config.init=minilm",
          "--config.num_layers=1", "--config.score_scale=20", f"--config.num_steps={STEPS}",
          f"--config.checkpoint_every={STEPS}", "--config.index.refresh_every=2",
-         f"--config.eval_every={STEPS}", "--config.learning_rate=1e-4"]
+         f"--config.eval_every={STEPS}", "--config.learning_rate=1e-4",
+         # Data 2 x fsdp 2: the batch split over the hosts (the data axis, one host's devices
+         # each) and each host's parameters and Adam's moments split over its 2 devices, so the
+         # run also checks parameters split within hosts; Adam's update, most of a step at the
+         # suite's -O0, is done once per 2 devices instead of on each.
+         "--config.mesh=data=2,fsdp=2"]
 
 
 def _free_port() -> int:
