@@ -126,6 +126,28 @@ def test_retro_estimate_counts_the_state_and_under_fsdp_the_gathered_trained_wei
   assert memory.retro_estimate(c, 8, platform="tpu")["parts"]["gathered weights"] == 4 * trained
 
 
+def test_with_layers_recomputed_the_estimate_adds_every_layers_dropout_masks():
+  """Tiny REALM over 8 devices (1 example a device, 4 candidates; width 32, 2 heads, 2 layers),
+  layers recomputed, dropout on: one byte a mask element, by hand, per layer and token the
+  attention's [2 heads, length] and two of width 32, the embeddings' once, for the query (32
+  tokens), the 4 candidates re-embedded (48 each) and the 4 joint sequences (64 each). Nothing
+  else changes; with dropout off, or every activation kept (those count them), no masks."""
+  from realm_jax.configs import pretrain
+  c = pretrain.get_config("tiny")
+  c.remat = True
+  assert c.dropout and (c.batch_size, c.num_candidates) == (8, 4)
+  per_token = lambda length: 2 * (2 * length + 2 * 32) + 32
+  by_hand = 32 * per_token(32) + 4 * 48 * per_token(48) + 4 * 64 * per_token(64)
+  assert by_hand == 183_296
+  on = memory.estimate(c, 8, 1000, platform="tpu")
+  assert on["parts"]["dropout masks"] == by_hand
+  c.dropout = False
+  off = memory.estimate(c, 8, 1000, platform="tpu")
+  assert off["parts"] == {k: v for k, v in on["parts"].items() if k != "dropout masks"}
+  c.dropout, c.remat = True, False
+  assert "dropout masks" not in memory.estimate(c, 8, 1000, platform="tpu")["parts"]
+
+
 @pytest.mark.parametrize("kind", ["pretrain", "retro"])
 def test_on_the_cpu_and_gpu_the_estimate_adds_a_float32_gradient_and_update_of_what_is_trained(
     kind):

@@ -132,6 +132,18 @@ def _bert_activations(tokens: int, length: int, mc: RealmConfig, act_bytes: int)
   return tokens * mc.num_hidden_layers * per_token_layer
 
 
+def _dropout_masks(tokens: int, length: int, mc: RealmConfig) -> float:
+  """Bytes of the dropout masks a tower's recomputed layers keep over `tokens` tokens of
+  sequences of `length`: one byte an element (the compiled mask), per layer and token the
+  attention probabilities' [heads, length] and the two hidden-size ones, and the embeddings'
+  once. With every activation kept, _bert_activations counts them already (Korthikanti et al.'s
+  34 and 5 include them); with layers recomputed the TPU compiler still keeps every layer's mask
+  from the forward pass (docs/tpu.md, 2026-11-30), which the layer inputs do not count."""
+  attention = mc.num_attention_heads * length if mc.attention_probs_dropout_prob > 0 else 0
+  hidden = mc.hidden_size if mc.hidden_dropout_prob > 0 else 0
+  return tokens * (mc.num_hidden_layers * (attention + 2 * hidden) + hidden)
+
+
 def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = None, *,
              platform: str) -> dict:
   """Bytes per device of a run of `config` over `devices` devices of `platform` ("cpu", "gpu",
@@ -154,6 +166,12 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
       + _bert_activations(micro * k * config.doc_length, config.doc_length, rc, act)
       + _bert_activations(micro * k * config.joint_length, config.joint_length, mc, act)
       + 2 * micro * k * config.max_masked * mc.vocab_size * 4) / axes["tensor"]
+  # Dropout's masks with layers recomputed (the training step draws dropout unless
+  # config.dropout is off): _dropout_masks.
+  masks = (_dropout_masks(micro * config.query_length, config.query_length, rc)
+           + _dropout_masks(micro * k * config.doc_length, config.doc_length, rc)
+           + _dropout_masks(micro * k * config.joint_length, config.joint_length, mc)
+           ) / axes["tensor"] if config.get("dropout", True) and mc.remat else 0
   shard_rows = -(-index_rows // devices)
   # Mean pooling (MiniLM, or config.pooling="mean" of random models) embeds to the hidden size.
   mean = models.retriever.pooling == "mean"
@@ -163,7 +181,7 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
   on_device = SEARCHERS[config.index.searcher].on_device  # else the index is in host memory
   parts = {
       "parameters": 4 * p, "optimizer state": 8 * p, **update_buffers(platform, p),
-      "activations": activations,
+      "activations": activations, **({"dropout masks": masks} if masks else {}),
       "index shard": on_device * shard_rows * dim * index_bytes,
       "search scratch": on_device * min(min(SEARCH_QUERY_BATCH, config.batch_size) * shard_rows * 4,
                                         MAX_SCORE_BYTES),
