@@ -137,8 +137,10 @@ def _dropout_masks(tokens: int, length: int, mc: RealmConfig) -> float:
   sequences of `length`: one byte an element (the compiled mask), per layer and token the
   attention probabilities' [heads, length] and the two hidden-size ones, and the embeddings'
   once. With every activation kept, _bert_activations counts them already (Korthikanti et al.'s
-  34 and 5 include them); with layers recomputed the TPU compiler still keeps every layer's mask
-  from the forward pass (docs/tpu.md, 2026-11-30), which the layer inputs do not count."""
+  34 and 5 include them); with layers recomputed the layer inputs do not, yet the TPU compiler
+  keeps masks from the forward pass: this counts every layer's, on the safe side (REALM's paper
+  step: 0.61 of the 0.69 GiB counted with 2 examples a device, 2.95 of 5.54 with 16; docs/tpu.md,
+  2026-11-30)."""
   attention = mc.num_attention_heads * length if mc.attention_probs_dropout_prob > 0 else 0
   hidden = mc.hidden_size if mc.hidden_dropout_prob > 0 else 0
   return tokens * (mc.num_hidden_layers * (attention + 2 * hidden) + hidden)
