@@ -31,8 +31,7 @@ FLAGS = ["--config=realm_jax/configs/pretrain.py:tiny", "--config.init=minilm",
          f"--config.eval_every={STEPS}", "--config.learning_rate=1e-4",
          # Data 2 x fsdp 2: the batch split over the hosts (the data axis, one host's devices
          # each) and each host's parameters and Adam's moments split over its 2 devices, so the
-         # run also checks parameters split within hosts; Adam's update, most of a step at the
-         # suite's -O0, is done once per 2 devices instead of on each.
+         # run also checks parameters split within hosts (as fast as data 4: docs/notes.md).
          "--config.mesh=data=2,fsdp=2"]
 
 

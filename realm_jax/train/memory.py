@@ -163,17 +163,16 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
   micro = config.get("microbatch", 0) or b  # examples alive at once (the step's pieces)
   k, act = config.num_candidates, 2 if config.dtype == "bfloat16" else 4
   rc = retriever_model_config(config, mc)  # the retriever may keep fewer layers
-  activations = (
-      _bert_activations(micro * config.query_length, config.query_length, rc, act)
-      + _bert_activations(micro * k * config.doc_length, config.doc_length, rc, act)
-      + _bert_activations(micro * k * config.joint_length, config.joint_length, mc, act)
-      + 2 * micro * k * config.max_masked * mc.vocab_size * 4) / axes["tensor"]
-  # Dropout's masks with layers recomputed (the training step draws dropout unless
-  # config.dropout is off): _dropout_masks.
-  masks = (_dropout_masks(micro * config.query_length, config.query_length, rc)
-           + _dropout_masks(micro * k * config.doc_length, config.doc_length, rc)
-           + _dropout_masks(micro * k * config.joint_length, config.joint_length, mc)
-           ) / axes["tensor"] if config.get("dropout", True) and mc.remat else 0
+  # The three BERT passes of a step: (tokens alive at once, sequence length, model config) of the
+  # query tower, the candidates re-embedded by the document tower, and the joint encoder.
+  towers = ((micro * config.query_length, config.query_length, rc),
+            (micro * k * config.doc_length, config.doc_length, rc),
+            (micro * k * config.joint_length, config.joint_length, mc))
+  activations = (sum(_bert_activations(n, length, m, act) for n, length, m in towers)
+                 + 2 * micro * k * config.max_masked * mc.vocab_size * 4) / axes["tensor"]
+  # Dropout's masks with layers recomputed (the step draws dropout unless config.dropout is off).
+  masks = (sum(_dropout_masks(n, length, m) for n, length, m in towers) / axes["tensor"]
+           if config.dropout and mc.remat else 0)
   shard_rows = -(-index_rows // devices)
   # Mean pooling (MiniLM, or config.pooling="mean" of random models) embeds to the hidden size.
   mean = models.retriever.pooling == "mean"
