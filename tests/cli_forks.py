@@ -28,7 +28,7 @@ def _script(name: str) -> str:
   return os.path.join(ROOT, "experiments", f"{name}.py")
 
 
-def _import_what_scripts_import(names) -> None:
+def import_what_scripts_import(names) -> None:
   """Runs the module-level import statements of each script (those it runs first anyway)."""
   for name in sorted(set(names)):
     with open(_script(name)) as f:
@@ -37,7 +37,7 @@ def _import_what_scripts_import(names) -> None:
     exec(compile(ast.Module(body=imports, type_ignores=[]), _script(name), "exec"), {})
 
 
-def _exit_status(e: SystemExit) -> int:
+def exit_status(e: SystemExit) -> int:
   """The status the interpreter exits with for an uncaught SystemExit."""
   if e.code is None or isinstance(e.code, int):
     return e.code or 0
@@ -58,7 +58,7 @@ def _child(name: str, args: list[str], out: int, err: int) -> None:
   try:
     runpy.run_path(_script(name), run_name="__main__")
   except SystemExit as e:
-    status = _exit_status(e)
+    status = exit_status(e)
   except BaseException:  # noqa: BLE001 (what the interpreter prints for it)
     traceback.print_exc()
     status = 1
@@ -111,5 +111,5 @@ def run_forked(cases, env: dict, parallel: int = PARALLEL) -> list:
 
 if __name__ == "__main__":
   todo = json.load(sys.stdin)
-  _import_what_scripts_import(name for name, _ in todo)
+  import_what_scripts_import(name for name, _ in todo)
   json.dump(run_cases(todo, int(sys.argv[1]) if len(sys.argv) > 1 else PARALLEL), sys.stdout)

@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import sys
 
 import pytest
 
@@ -165,6 +166,8 @@ def pytest_sessionfinish(session, exitstatus):
     for proc in procs:
       proc.kill()
       proc.wait()
+  if "forked_runs" in sys.modules:  # the fork servers stopped and waited for (their CPU counted)
+    sys.modules["forked_runs"].stop_servers()
   if _OWN_CACHE is not None:
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
@@ -188,7 +191,6 @@ def _seed_torch():
   """HF models draw their initial weights from torch's global generator: it is seeded before each
   test, so no test depends on what the tests before it drew (a fresh clone once failed a check
   that passed in the development tree)."""
-  import sys
   torch = sys.modules.get("torch")  # not imported here: most tests never need it
   if torch is not None:
     torch.manual_seed(0)
@@ -264,10 +266,9 @@ def tiny_qa_workdir(tmp_path_factory):
   """One tiny open-QA fine-tuning run, shared by test_finetune and test_ask: 40 articles,
   2 retriever-only steps then 2 joint steps, dev evaluation every 2 steps. Run as a user runs it
   (experiments/finetune.py, one device: on the 8 fake devices of 2 cores it takes ~20 s more)."""
-  import subprocess
-  import sys
+  import forked_runs
   workdir = _SCRATCH["tiny_qa_workdir"] = str(tmp_path_factory.mktemp("qa_tiny"))
-  got = subprocess.run(
+  got = forked_runs.run(
       [sys.executable, os.path.join(ROOT, "experiments", "finetune.py"),
        f"--config={ROOT}/realm_jax/configs/finetune.py:tiny", f"--workdir={workdir}",
        f"--config.data.local_dir={NQ_OPEN}", "--config.retriever_steps=2"],

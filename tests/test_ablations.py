@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import forked_runs
 from conftest import one_device_env, started_early
 
 from realm_jax.configs import ablations as ablations_config
@@ -125,7 +126,7 @@ def test_finetuning_init_reads_the_exports_of_a_pretraining_workdir(tmp_path):
 def _start_tiny(tmp_path_factory):
   """The tiny runner (~3 minutes on 2 cores), started with the session."""
   workdir = str(tmp_path_factory.mktemp("ablations"))
-  proc = subprocess.Popen(
+  proc = forked_runs.Popen(
       [sys.executable, "experiments/ablations.py", "--config=realm_jax/configs/ablations.py:tiny",
        f"--workdir={workdir}", f"--config.finetune.data.local_dir={QA_DIR}"],
       cwd=ROOT, env=one_device_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

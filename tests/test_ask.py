@@ -9,11 +9,11 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+import forked_runs
 from conftest import NQ_OPEN as NQ
 from conftest import damaged_best_copy, one_device_env
 
@@ -39,9 +39,9 @@ def system(workdir):
 
 def run_ask(*args):
   """experiments/ask.py as a user runs it: one device, no test flags."""
-  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "ask.py"), *args],
-                        capture_output=True, text=True, env=one_device_env(),
-                        cwd=ROOT, timeout=300)
+  return forked_runs.run([sys.executable, os.path.join(ROOT, "experiments", "ask.py"), *args],
+                         capture_output=True, text=True, env=one_device_env(),
+                         cwd=ROOT, timeout=300)
 
 
 def read_titles(system, question):

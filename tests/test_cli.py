@@ -10,10 +10,10 @@ is most of this file's time). Each test then checks one case's answer.
 import concurrent.futures
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+import forked_runs
 from cli_forks import run_forked
 from conftest import NQ_OPEN, ROOT, one_device_env
 
@@ -270,8 +270,8 @@ def _env():
 
 
 def _run(script, args):
-  return subprocess.run([sys.executable, os.path.join("experiments", f"{script}.py"), *args],
-                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+  return forked_runs.run([sys.executable, os.path.join("experiments", f"{script}.py"), *args],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

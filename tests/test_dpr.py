@@ -9,12 +9,12 @@ import functools
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+import forked_runs
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -365,10 +365,10 @@ def test_evaluate_reads_a_dpr_export_with_its_own_index(tiny_run, tiny_qa_workdi
   export = os.path.join(dpr_work, "export")
   workdir = str(tmp_path / "qa")
   shutil.copytree(tiny_qa_workdir, workdir)
-  got = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "evaluate.py"),
+  got = forked_runs.run([sys.executable, os.path.join(ROOT, "experiments", "evaluate.py"),
                         f"--workdir={workdir}", "--systems=bm25", "--recall_only=bm25",
                         f"--retrievers=dpr={export}", "--limit=16"],
-                       env=one_device_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        env=one_device_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert got.returncode == 0, got.stderr[-4000:]
   assert "| dpr | 16 |" in got.stdout, got.stdout
   results = json.load(open(os.path.join(workdir, "eval", "test", "results.json")))

@@ -3,6 +3,7 @@
 import os
 import json
 
+import forked_runs
 import numpy as np
 import pytest
 
@@ -135,12 +136,11 @@ def test_evaluate_refuses_a_negative_limit(tmp_path):
   """experiments/evaluate.py --limit=-1 evaluated all questions but the last (a Python slice)
   and reported that as the split: refused, in one error line, before anything is loaded."""
   import os
-  import subprocess
   import sys
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  got = subprocess.run([sys.executable, os.path.join(root, "experiments", "evaluate.py"),
+  got = forked_runs.run([sys.executable, os.path.join(root, "experiments", "evaluate.py"),
                         f"--workdir={tmp_path}", "--limit=-1"], cwd=root, capture_output=True,
-                       text=True, timeout=120)
+                        text=True, timeout=120)
   assert got.returncode == 2 and got.stdout == ""
   assert got.stderr.strip() == "error: --limit=-1: pass a number of questions >= 1, or 0 for all."
 
@@ -150,7 +150,6 @@ def test_evaluate_refuses_an_eval_directory_it_cannot_write_before_loading(tmp_p
   in one error line naming the directory, before the corpus, the index or the models are read.
   eval/ is made unwritable by a file of that name, which stops root too (chmod does not)."""
   import os
-  import subprocess
   import sys
   from realm_jax.configs.finetune import get_config
   from realm_jax.retrieval.index import DocIndex
@@ -164,9 +163,9 @@ def test_evaluate_refuses_an_eval_directory_it_cannot_write_before_loading(tmp_p
   (workdir / "best" / "4").mkdir(parents=True)  # what a finished fine-tuning run leaves
   (workdir / "eval").write_text("")
   before = sorted(p.name for p in workdir.iterdir())
-  got = subprocess.run([sys.executable, os.path.join(root, "experiments", "evaluate.py"),
+  got = forked_runs.run([sys.executable, os.path.join(root, "experiments", "evaluate.py"),
                         f"--workdir={workdir}"], cwd=root, capture_output=True, text=True,
-                       timeout=120)
+                        timeout=120)
   assert got.returncode == 2 and got.stdout == "", got.stderr[-3000:]
   assert got.stderr.strip().splitlines() == [
       f"error: {workdir}/eval/test cannot be written (Not a directory); the predictions and "

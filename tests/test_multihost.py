@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import forked_runs
 from conftest import devices_env, started_early
 
 try:  # the tiny config reads the embedded corpus and the MiniLM vocabulary (the demo extra)
@@ -48,8 +49,8 @@ def _env(devices: int, **extra) -> dict:
 def _start(workdir, data_dir, env, *extra):
   cmd = [sys.executable, "experiments/pretrain.py", *FLAGS, f"--workdir={workdir}",
          f"--config.data_dir={data_dir}", *extra]
-  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  return forked_runs.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(procs):

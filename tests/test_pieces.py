@@ -2,7 +2,6 @@
 dropout masks that do not depend on the pieces, and steps whose loss, statistics and gradient equal
 the whole batch's, on one device and sharded over 8, with a fraction of its memory."""
 
-import subprocess
 import sys
 
 import flax.linen as nn
@@ -10,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import forked_runs
 from conftest import ROOT, one_device_env
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -179,7 +179,7 @@ def test_reader_pieces_from_the_config():
 
 @pytest.mark.slow
 def test_finetune_refuses_a_microbatch_that_does_not_divide_the_batch(tmp_path):
-  got = subprocess.run(
+  got = forked_runs.run(
       [sys.executable, "experiments/finetune.py", "--config=realm_jax/configs/finetune.py:tiny",
        f"--workdir={tmp_path}/qa", "--config.reader_microbatch=3"],
       cwd=ROOT, env=one_device_env(), capture_output=True, text=True, timeout=300)

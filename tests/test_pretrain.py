@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+import forked_runs
 from cli_forks import run_forked
 from conftest import one_device_env, started_early
 
@@ -33,8 +34,8 @@ CONFIG = "--config=realm_jax/configs/pretrain.py:tiny"
 def run(workdir, data_dir, *extra, wait=True):
   cmd = [sys.executable, "experiments/pretrain.py", CONFIG, f"--workdir={workdir}",
          f"--config.data_dir={data_dir}", *extra]
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=one_device_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  proc = forked_runs.Popen(cmd, cwd=ROOT, env=one_device_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
   if not wait:
     return proc
   out, _ = proc.communicate(timeout=600)
@@ -512,16 +513,16 @@ def test_refresher_killed_midway_then_trainer_picks_up_complete_indexes(tmp_path
   shutil.rmtree(os.path.join(workdir, "index"))
   cmd = [sys.executable, "experiments/refresh_index.py", CONFIG, f"--workdir={workdir}",
          f"--config.data_dir={data_dir}", "--poll_seconds=0.1", "--stop_after_idle_s=1"]
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=one_device_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  proc = forked_runs.Popen(cmd, cwd=ROOT, env=one_device_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
   time.sleep(random.uniform(3, 8))
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   found = latest_index_dir(os.path.join(workdir, "index"))
   if found is not None:  # it got as far as publishing: then the index is whole
     assert read_manifest(found)["count"] > 0
-  out = subprocess.run(cmd, cwd=ROOT, env=one_device_env(), capture_output=True, text=True,
-                       timeout=600)
+  out = forked_runs.run(cmd, cwd=ROOT, env=one_device_env(), capture_output=True, text=True,
+                        timeout=600)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
   found = latest_index_dir(os.path.join(workdir, "index"))
   assert found is not None and found.endswith("index-00000006")

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+import forked_runs
 from conftest import MESH_3D, ROOT, one_device_env, started_early
 
 from realm_jax.checkpoints import retro_export
@@ -48,10 +49,10 @@ def start(script, *args, log=None):
   cmd = [sys.executable, os.path.join("experiments", f"{script}.py"), *args]
   env = dict(os.environ) if script == "retro_train" else one_device_env()
   if log is None:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return forked_runs.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
   with open(log, "w") as out:  # (the child has its own copy of the file)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return forked_runs.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def run(script, *args):
