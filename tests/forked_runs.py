@@ -199,7 +199,8 @@ def Popen(cmd, cwd=None, env=None, stdout=None, stderr=None, text=False, **kwarg
   finally:
     for fd in opened:
       os.close(fd)
-  reader = lambda fds: os.fdopen(fds[0], "rb") if fds else None
+  reader = lambda fds: (None if not fds else os.fdopen(fds[0], "r", errors="replace") if text
+                       else os.fdopen(fds[0], "rb"))
   return _Forked(cmd, pid, conn, reader(out_readers), reader(err_readers), text)
 
 
