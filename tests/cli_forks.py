@@ -45,14 +45,11 @@ def exit_status(e: SystemExit) -> int:
   return 1
 
 
-def _child(name: str, args: list[str], out: int, err: int) -> None:
-  """In the forked child: runs the script as __main__ with its output going to `out` and `err`,
-  then exits as the interpreter would (a traceback and status 1 for an uncaught exception)."""
-  null = os.open(os.devnull, os.O_RDONLY)
-  os.dup2(null, 0)
-  os.dup2(out, 1)
-  os.dup2(err, 2)
-  sys.argv = [os.path.join("experiments", f"{name}.py"), *args]
+def run_as_main_and_exit(name: str, argv: list[str]) -> None:
+  """In a forked child whose standard streams are set: runs experiments/<name>.py as __main__
+  with `argv`, then exits as the interpreter would (a traceback and status 1 for an uncaught
+  exception)."""
+  sys.argv = argv
   sys.path[0] = os.path.dirname(_script(name))
   status = 0
   try:
@@ -68,6 +65,15 @@ def _child(name: str, args: list[str], out: int, err: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _child(name: str, args: list[str], out: int, err: int) -> None:
+  """In the forked child: the script with its output going to `out` and `err`."""
+  null = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(null, 0)
+  os.dup2(out, 1)
+  os.dup2(err, 2)
+  run_as_main_and_exit(name, [os.path.join("experiments", f"{name}.py"), *args])
 
 
 def run_cases(cases, parallel: int = PARALLEL) -> list:

@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 
-from cli_forks import ROOT, exit_status, import_what_scripts_import
+from cli_forks import ROOT, import_what_scripts_import, run_as_main_and_exit
 
 # Read by the child only (XLA reads its flags when the child first uses it; pytest names the
 # running test); and every REALM_* variable.
@@ -238,26 +238,7 @@ def _child(request: dict, fds: list, others: list) -> None:
   os.dup2(fds[1], 2)
   for fd in (null, *fds):
     os.close(fd)
-  script = os.path.join(ROOT, "experiments", f"{request['script']}.py")
-  sys.argv = request["argv"]
-  sys.path[0] = os.path.dirname(script)
-  status = 0
-  try:
-    import runpy
-    runpy.run_path(script, run_name="__main__")
-  except SystemExit as e:
-    status = exit_status(e)
-  except BaseException:  # noqa: BLE001 (what the interpreter prints for it)
-    import traceback
-    traceback.print_exc()
-    status = 1
-  try:
-    import atexit
-    atexit._run_exitfuncs()  # pylint: disable=protected-access
-  finally:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+  run_as_main_and_exit(request["script"], request["argv"])
 
 
 def serve(path: str) -> None:
