@@ -37,7 +37,7 @@ def import_what_scripts_import(names) -> None:
     exec(compile(ast.Module(body=imports, type_ignores=[]), _script(name), "exec"), {})
 
 
-def exit_status(e: SystemExit) -> int:
+def _exit_status(e: SystemExit) -> int:
   """The status the interpreter exits with for an uncaught SystemExit."""
   if e.code is None or isinstance(e.code, int):
     return e.code or 0
@@ -45,17 +45,21 @@ def exit_status(e: SystemExit) -> int:
   return 1
 
 
-def run_as_main_and_exit(name: str, argv: list[str]) -> None:
-  """In a forked child whose standard streams are set: runs experiments/<name>.py as __main__
-  with `argv`, then exits as the interpreter would (a traceback and status 1 for an uncaught
-  exception)."""
+def run_in_child(name: str, argv: list[str], out: int, err: int) -> None:
+  """In a forked child: runs experiments/<name>.py as __main__ with `argv`, its stdin empty and
+  its output going to the file descriptors `out` and `err`, then exits as the interpreter would
+  (a traceback and status 1 for an uncaught exception)."""
+  null = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(null, 0)
+  os.dup2(out, 1)
+  os.dup2(err, 2)
   sys.argv = argv
   sys.path[0] = os.path.dirname(_script(name))
   status = 0
   try:
     runpy.run_path(_script(name), run_name="__main__")
   except SystemExit as e:
-    status = exit_status(e)
+    status = _exit_status(e)
   except BaseException:  # noqa: BLE001 (what the interpreter prints for it)
     traceback.print_exc()
     status = 1
@@ -65,15 +69,6 @@ def run_as_main_and_exit(name: str, argv: list[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
-
-def _child(name: str, args: list[str], out: int, err: int) -> None:
-  """In the forked child: the script with its output going to `out` and `err`."""
-  null = os.open(os.devnull, os.O_RDONLY)
-  os.dup2(null, 0)
-  os.dup2(out, 1)
-  os.dup2(err, 2)
-  run_as_main_and_exit(name, [os.path.join("experiments", f"{name}.py"), *args])
 
 
 def run_cases(cases, parallel: int = PARALLEL) -> list:
@@ -92,7 +87,8 @@ def run_cases(cases, parallel: int = PARALLEL) -> list:
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-      _child(name, args, files[i][0].fileno(), files[i][1].fileno())
+      run_in_child(name, [os.path.join("experiments", f"{name}.py"), *args],
+                   files[i][0].fileno(), files[i][1].fileno())
     running[pid] = i
   while running:
     reap()

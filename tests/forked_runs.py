@@ -23,7 +23,6 @@ exits when those it started have ended.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import select
@@ -36,7 +35,7 @@ import tempfile
 import threading
 import time
 
-from cli_forks import ROOT, import_what_scripts_import, run_as_main_and_exit
+from cli_forks import ROOT, import_what_scripts_import, run_in_child
 
 # Read by the child only (XLA reads its flags when the child first uses it; pytest names the
 # running test); and every REALM_* variable.
@@ -86,10 +85,9 @@ def _retire(proc, path: str) -> None:
   _RETIRED.append((proc, path))
 
 
-@atexit.register
 def stop_servers() -> None:
-  """Every server stopped and waited for, so that its runs' CPU time is counted in this process's
-  children's, as a subprocess's is."""
+  """Every server stopped and waited for (conftest.py, at the session's end), so that its runs'
+  CPU time is counted in this process's children's, as a subprocess's is."""
   with _LOCK:
     while _SERVERS:
       _retire(*_SERVERS.pop(next(iter(_SERVERS))))
@@ -159,22 +157,19 @@ class _Forked:
     self.send_signal(signal.SIGTERM)
 
 
-def _fd_for(stream, inherited: int, opened: list, readers: list, stdout_fd=None) -> int:
-  """The file descriptor the child gets for `stream` (subprocess's PIPE, STDOUT, DEVNULL, None or
-  a file); a pipe's read end goes to `readers`, what is opened here to `opened`."""
+def _fd_for(stream, inherited: int, stdout_fd: int | None = None) -> tuple:
+  """(the file descriptor the child gets for `stream`: subprocess's PIPE, STDOUT, DEVNULL, None or
+  a file; the read end of its pipe or None; whether this process closes it once it is sent)."""
   if stream is None:
-    return inherited
+    return inherited, None, False
   if stream == subprocess.STDOUT:
-    return stdout_fd
+    return stdout_fd, None, False
   if stream == subprocess.DEVNULL:
-    fd = os.open(os.devnull, os.O_WRONLY)
-  elif stream == subprocess.PIPE:
-    read_end, fd = os.pipe()
-    readers.append(read_end)
-  else:
-    return stream.fileno()
-  opened.append(fd)
-  return fd
+    return os.open(os.devnull, os.O_WRONLY), None, True
+  if stream == subprocess.PIPE:
+    read_end, write_end = os.pipe()
+    return write_end, read_end, True
+  return stream.fileno(), None, False
 
 
 def Popen(cmd, cwd=None, env=None, stdout=None, stderr=None, text=False, **kwargs):  # noqa: N802
@@ -186,9 +181,8 @@ def Popen(cmd, cwd=None, env=None, stdout=None, stderr=None, text=False, **kwarg
       or not all(s in streams or hasattr(s, "fileno") for s in (stdout, stderr))):
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text,
                             **kwargs)
-  opened, out_readers, err_readers = [], [], []
-  out_fd = _fd_for(stdout, 1, opened, out_readers)
-  err_fd = _fd_for(stderr, 2, opened, err_readers, stdout_fd=out_fd)
+  out_fd, out_read, close_out = _fd_for(stdout, 1)
+  err_fd, err_read, close_err = _fd_for(stderr, 2, stdout_fd=out_fd)
   conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
   try:
     conn.connect(_server(env))
@@ -197,11 +191,12 @@ def Popen(cmd, cwd=None, env=None, stdout=None, stderr=None, text=False, **kwarg
     socket.send_fds(conn, [json.dumps(request).encode()], [out_fd, err_fd])
     pid = int(conn.recv(64))
   finally:
-    for fd in opened:
-      os.close(fd)
-  reader = lambda fds: (None if not fds else os.fdopen(fds[0], "r", errors="replace") if text
-                       else os.fdopen(fds[0], "rb"))
-  return _Forked(cmd, pid, conn, reader(out_readers), reader(err_readers), text)
+    for fd, close in ((out_fd, close_out), (err_fd, close_err)):
+      if close:
+        os.close(fd)
+  reader = lambda fd: (None if fd is None else os.fdopen(fd, "r", errors="replace") if text
+                       else os.fdopen(fd, "rb"))
+  return _Forked(cmd, pid, conn, reader(out_read), reader(err_read), text)
 
 
 def run(cmd, cwd=None, env=None, capture_output=False, text=False, timeout=None, check=False,
@@ -232,13 +227,16 @@ def _child(request: dict, fds: list, others: list) -> None:
   os.chdir(request["cwd"])
   os.environ.clear()
   os.environ.update(request["env"])
-  null = os.open(os.devnull, os.O_RDONLY)
-  os.dup2(null, 0)
-  os.dup2(fds[0], 1)
-  os.dup2(fds[1], 2)
-  for fd in (null, *fds):
-    os.close(fd)
-  run_as_main_and_exit(request["script"], request["argv"])
+  run_in_child(request["script"], request["argv"], *fds)
+
+
+def _report(conn: socket.socket, wait_status: int) -> None:
+  """Sends a run's exit status to the connection that started it (gone: nobody waits)."""
+  try:
+    conn.send(str(os.waitstatus_to_exitcode(wait_status)).encode())
+  except OSError:
+    pass
+  conn.close()
 
 
 def serve(path: str) -> None:
@@ -270,19 +268,10 @@ def serve(path: str) -> None:
       pid, status = os.waitpid(-1, os.WNOHANG)
       if pid == 0:
         break
-      conn = running.pop(pid)
-      try:
-        conn.send(str(os.waitstatus_to_exitcode(status)).encode())
-      except OSError:
-        pass
-      conn.close()
+      _report(running.pop(pid), status)
     if sys.stdin in ready and not sys.stdin.buffer.read1(4096):
       for pid, conn in running.items():  # the runs still going end as they would
-        status = os.waitpid(pid, 0)[1]
-        try:
-          conn.send(str(os.waitstatus_to_exitcode(status)).encode())
-        except OSError:
-          pass
+        _report(conn, os.waitpid(pid, 0)[1])
       return
     if listener in ready:
       conn, _ = listener.accept()
