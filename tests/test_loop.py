@@ -131,6 +131,24 @@ def test_a_resumed_run_continues_where_it_stopped_without_evaluating_step_0_agai
   assert done.run() == {} and done.finished is False and done.evaluations == []
 
 
+def test_logged_gradient_norm_is_the_mean_over_its_window(tmp_path):
+  """Logged every 4 of 6 steps, the windows hold 4 and then 2 steps: each logged grad_norm is the
+  mean of the gradient norms of those steps, computed here by a plain loop over the same batches
+  (every trainer logs through this loop)."""
+  workdir = str(tmp_path / "w")
+  Toy(_config(log_every=4, eval_every=0), workdir).run()
+  got = {r["step"]: r["grad_norm"] for r in _rows_of(workdir) if r["split"] == "train"}
+  it, w, norms = _rows(0), np.zeros(DIM, np.float32), []
+  for _ in range(6):
+    batch = next(it)
+    g = np.asarray(jax.grad(lambda p: _loss(p, batch)[0])({"w": jnp.asarray(w)})["w"])
+    norms.append(float(np.sqrt(np.sum(np.asarray(g, np.float64) ** 2))))
+    w = w - LR * g
+  assert sorted(got) == [4, 6]
+  np.testing.assert_allclose(got[4], np.mean(norms[:4]), rtol=1e-5)
+  np.testing.assert_allclose(got[6], np.mean(norms[4:]), rtol=1e-5)
+
+
 def test_eval_every_0_never_evaluates(tmp_path):
   toy = Toy(_config(eval_every=0), str(tmp_path / "w"))
   assert toy.run() == {} and toy.evaluations == []

@@ -80,7 +80,8 @@ def test_bucket_plan_by_hand():
 
 @pytest.mark.slow
 def test_scann_recall_on_real_corpus_embeddings(articles):
-  """ScaNN (then exact re-scoring) finds >= 95% of the exact top 10 on real MiniLM embeddings."""
+  """ScaNN (then exact re-scoring) finds >= 95% of the exact top 10 on real MiniLM embeddings
+  (1,250 summaries, 300 NQ-Open questions)."""
   import dataclasses
   import os
   from realm_jax.retrieval.recall import embed_questions
@@ -89,14 +90,14 @@ def test_scann_recall_on_real_corpus_embeddings(articles):
   from realm_jax.text import batch_join
   tower = load_tower("minilm")
   # The tests compile at -O0 (conftest.py), where most of a test is compiling; this one's time is
-  # MiniLM's forward over 2,500 documents, which runs ~1.5x faster compiled at -O2.
+  # MiniLM's forward over the documents, which runs ~1.5x faster compiled at -O2.
   module, params = tower.module, tower.params
   fn = jax.jit(lambda p, b: module.apply({"params": p}, b["input_ids"], b["attention_mask"],
                                          b["token_type_ids"]),
                compiler_options={"xla_backend_optimization_level": 2})
   tower = dataclasses.replace(tower, embed=lambda batch: fn(params, batch))
   tok = tower.tokenizer
-  docs = articles[::4][:2500]
+  docs = articles[::4][:1250]
   inputs = batch_join(zip(tok.encode_batch([a["title"] for a in docs]),
                           tok.encode_batch([a["text"] for a in docs])), 32, tok, truncate="longest")
   emb = embed_in_buckets(tower.embed, inputs, batch_size=256)
@@ -113,6 +114,10 @@ def test_scann_recall_on_real_corpus_embeddings(articles):
   approx = DocIndex(emb, ids, "scann").search(queries, 10)[1]
   recall = np.mean([len(set(a) & set(e)) / 10 for a, e in zip(approx, exact)])
   assert recall >= 0.95, recall
+  # Re-ordering 100 of 1,250 rows is nearly exhaustive; with 20 the hashed scores themselves must
+  # rank the true top 10 among their best 20 (0.97 measured; a broken hashing fails this).
+  hashed = DocIndex(emb, ids, "scann", reorder_num_neighbors=20).search(queries, 10)[1]
+  assert np.mean([len(set(a) & set(e)) / 10 for a, e in zip(hashed, exact)]) >= 0.9
 
 
 def test_optimal_buckets_match_brute_force():
