@@ -62,6 +62,37 @@ def test_build_index_with_hf_retriever_weights(setup):
   assert not np.allclose(q, q_doc)  # separate towers
 
 
+def test_towers_keep_the_first_layers_they_are_told_to(setup):
+  """config.num_layers: each tower is the weights' model cut to its first N transformer layers
+  (the same model applied to the parameters with the later layers deleted here by hand); a count
+  the weights do not have is refused naming the flag."""
+  import copy
+  root, cfg, params = setup
+  cut = copy.deepcopy(cfg)
+  cut.num_layers = 1
+  towers = build.towers_of(cut)
+  from realm_jax.models import RealmEmbedder
+  from realm_jax.text import batch_join
+  model = RealmEmbedder(tiny_config(vocab_size=len(WORDS), max_position_embeddings=64,
+                                    num_hidden_layers=1))
+  full = build.towers_of(cfg)
+  for which, part in (("document", "embedder"), ("query", "query_embedder")):
+    first = copy.deepcopy(jax.device_get(params[part]))
+    del first["realm"]["encoder"]["layer_1"]
+    tok = towers[which].tokenizer
+    inputs = batch_join([(tok.encode_batch(["w1 w2 w3 ."])[0], None)], 16, tok)
+    want = model.apply({"params": first}, inputs["input_ids"], inputs["attention_mask"],
+                       inputs["token_type_ids"])
+    got = np.asarray(towers[which].embed(inputs))
+    np.testing.assert_allclose(got, want, atol=1e-6, err_msg=which)
+    assert not np.allclose(got, full[which].embed(inputs), atol=1e-3), which
+  for bad in (3, -1):
+    cut.num_layers = bad
+    with pytest.raises(ValueError, match=rf"--config.num_layers={bad}: .* has 2 transformer "
+                                         r"layers; keep 1 to 2 of them, or 0 for all"):
+      build.towers_of(cut)
+
+
 def test_index_of_another_corpus_is_refused(setup, tmp_path):
   root, cfg, _ = setup
   build.build_index(cfg, str(tmp_path))

@@ -243,3 +243,13 @@ def test_the_dropout_key_is_drawn_by_the_configs_generator(tmp_path):
     np.testing.assert_array_equal(jax.random.key_data(rng), jax.random.key_data(want))
   with pytest.raises(ValueError, match="--config.rng_impl='philox': use one of threefry2x32"):
     Toy(_config(rng_impl="philox"), str(tmp_path / "bad"))
+
+
+def test_a_nested_setting_added_later_takes_the_value_older_runs_used():
+  """A work directory whose config.json predates retrieval.num_layers (fine-tuning's retrieval
+  config) resumes with 0, the value it ran with, and is refused with another."""
+  old = {"retrieval": {"weights": "minilm"}, "seed": 0}
+  now = lambda n: {"retrieval": {"weights": "minilm", "num_layers": n}, "seed": 0}
+  assert loop.config_diff(old, now(0), ["retrieval", "seed"]) == []
+  assert loop.config_diff(old, now(1), ["retrieval", "seed"]) == [
+      ("retrieval", now(0)["retrieval"], now(1)["retrieval"])]

@@ -26,6 +26,7 @@ def get_config(arg: str = "wiki_vital_minilm") -> ml_collections.ConfigDict:
   c.pooling = "auto"            # auto | mean | projected_cls
   c.normalize = "auto"          # auto | yes | no
   c.dtype = "float32"           # compute dtype of the tower: float32 | bfloat16
+  c.num_layers = 0              # >0: the towers keep only the first N transformer layers
   c.corpus = ml_collections.ConfigDict(dict(
       source="wiki_vital",      # wiki_vital | jsonl | tfds_wikipedia
       paths=(),                 # JSONL files or folders for source=jsonl

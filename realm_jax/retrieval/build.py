@@ -46,7 +46,8 @@ def towers_of(config, flag: str = "--config"):
   if config.normalize not in _AUTO:
     raise ValueError(f"{flag}.normalize={config.normalize!r}: use auto, yes or no.")
   return load_towers(config.weights, None if config.pooling == "auto" else config.pooling,
-                     _AUTO[config.normalize], config.dtype, flag=f"{flag}.weights")
+                     _AUTO[config.normalize], config.dtype, flag=f"{flag}.weights",
+                     num_layers=config.get("num_layers", 0))
 
 
 def open_corpus(config, workdir: str, vocab_file: str) -> Corpus:

@@ -51,7 +51,8 @@ def _bert_pooling(pooling: str | None, weights: str) -> str:
 
 def load_towers(weights: str = "minilm", pooling: str | None = None,
                 normalize: bool | None = None, dtype: str = "float32",
-                vocab_file: str | None = None, flag: str = "--config.weights") -> dict[str, Tower]:
+                vocab_file: str | None = None, flag: str = "--config.weights",
+                num_layers: int = 0) -> dict[str, Tower]:
   """Loads the retriever's towers, reading the weights once: {"query": Tower, "document": Tower}.
 
   Both names give the same Tower unless the weights are a scorer with separate towers.
@@ -63,6 +64,8 @@ def load_towers(weights: str = "minilm", pooling: str | None = None,
     vocab_file: default: vocab.txt beside the weights. Its text is lowercased unless the
       tokenizer_config.json beside it says `"do_lower_case": false` (a cased checkpoint).
     flag: the user's flag that gave `weights`, named by errors.
+    num_layers: > 0: keep only the first `num_layers` transformer layers of the weights (a
+      smaller, faster tower; its embeddings are those of the truncated model).
   """
   if pooling not in (None, *POOLINGS):
     raise ValueError(f"--config.pooling={pooling}: use auto, {' or '.join(POOLINGS)}.")
@@ -70,6 +73,13 @@ def load_towers(weights: str = "minilm", pooling: str | None = None,
   kind = source.check_kind(("bert", "embedder", "retriever"),
                            "a retriever: a REALM embedder or scorer (e.g. ICT's export) or a BERT")
   config = source.config.replace(dtype=dtype)
+  if num_layers:
+    if (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+        or not 0 < num_layers <= config.num_hidden_layers):
+      raise ValueError(f"{flag.rsplit('.', 1)[0]}.num_layers={num_layers}: {source.name} has "
+                       f"{config.num_hidden_layers} transformer layers; keep 1 to "
+                       f"{config.num_hidden_layers} of them, or 0 for all.")
+    config = config.replace(num_hidden_layers=num_layers)
   loaded, _ = source.load(config=config)
   if kind == "bert":
     towers, pooling = {"document": {"realm": loaded}}, _bert_pooling(pooling, source.name)

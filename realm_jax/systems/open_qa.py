@@ -178,7 +178,7 @@ class QaSetup:
     this work directory. Pooling follows the weights (a scorer without a [CLS] projection is
     mean-pooled); a normalised tower's scores get config.score_scale, another's 1."""
     config = ml_collections.ConfigDict(self.config.retrieval.to_dict())
-    config.update(weights=weights, pooling="auto", normalize="auto")
+    config.update(weights=weights, pooling="auto", normalize="auto", num_layers=0)
     towers = load_towers(weights, dtype=config.dtype, flag=f"--retrievers={name}")
     query = towers["query"]
     if query.module is None:

@@ -62,16 +62,27 @@ from realm_jax.train.realm_step import TrainState
 LOOP_MINIMUMS = {"batch_size": 1, "num_steps": 1, "log_every": 1, "eval_every": 0,
                  "checkpoint_every": 1, "keep_checkpoints": 1, "max_bad_steps": 1,
                  "profile_start": 0, "profile_steps": 0}
-# Fixed settings added after runs were made without them, and the value those runs used.
+# Fixed settings added after runs were made without them, and the value those runs used (a
+# dotted key: a setting inside a nested config).
 ADDED_SETTINGS = {"retriever_learning_rate": -1.0, "reader_title": True, "retriever_num_layers": 0,
-                  "pooling": "projected_cls", "masking": "salient_spans", "null_document": True}
+                  "pooling": "projected_cls", "masking": "salient_spans", "null_document": True,
+                  "retrieval.num_layers": 0}
+
+
+def _with_added(config: dict, key: str) -> Any:
+  """config[key], or its ADDED_SETTINGS value; a nested config with its added settings filled."""
+  value = config.get(key, ADDED_SETTINGS.get(key))
+  if isinstance(value, dict):
+    added = {k[len(key) + 1:]: v for k, v in ADDED_SETTINGS.items() if k.startswith(f"{key}.")}
+    value = {**added, **value}
+  return value
 
 
 def config_diff(old: dict, current: dict, keys: Iterable[str]) -> list[tuple[str, Any, Any]]:
   """(key, old value, current value) of the `keys` whose values differ between two configs as
-  JSON; a key missing from a config written before it existed takes its ADDED_SETTINGS value."""
-  value = lambda c, k: c.get(k, ADDED_SETTINGS.get(k))
-  return [(k, value(old, k), value(current, k)) for k in keys if value(old, k) != value(current, k)]
+  JSON; a setting missing from a config written before it existed takes its ADDED_SETTINGS value."""
+  return [(k, _with_added(old, k), _with_added(current, k)) for k in keys
+          if _with_added(old, k) != _with_added(current, k)]
 
 
 def check_workdir_config(config, workdir: str, fixed: Iterable[str]) -> None:
