@@ -168,6 +168,10 @@ def _cases(files):
       ("finetune-init-without-export", "finetune",
        ["--config=" + CONFIGS["finetune"], "--workdir={W}", f"--config.data.local_dir={NQ_OPEN}",
         f"--config.init={MISSING}"], ["--config.init", MISSING, "export"]),
+      ("finetune-more-retriever-layers-than-weights", "finetune",
+       ["--config=" + CONFIGS["finetune"], "--workdir={W}", f"--config.data.local_dir={NQ_OPEN}",
+        "--config.retrieval.num_layers=7"],
+       ["--config.retrieval.num_layers=7", "has 6 transformer layers"]),
       *_newer_cases(files),
   ]
   return cases
