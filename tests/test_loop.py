@@ -82,14 +82,17 @@ class Toy(loop.TrainLoop):
     return last_eval
 
 
-def _plain(steps: int) -> np.ndarray:
-  """The same training without the loop: one device, plain optax."""
+def _plain(steps: int, grad_norms: list | None = None) -> np.ndarray:
+  """The same training without the loop: one device, plain optax; each step's gradient norm is
+  appended to `grad_norms` if given."""
   it, w, opt = _rows(0), np.zeros(DIM, np.float32), optax.sgd(LR)
   state = opt.init({"w": w})
   params = {"w": jnp.asarray(w)}
   for _ in range(steps):
     batch = next(it)
     grads = jax.grad(lambda p: _loss(p, batch)[0])(params)
+    if grad_norms is not None:
+      grad_norms.append(float(np.sqrt(np.sum(np.asarray(grads["w"], np.float64) ** 2))))
     updates, state = opt.update(grads, state, params)
     params = optax.apply_updates(params, updates)
   return np.asarray(params["w"])
@@ -138,12 +141,8 @@ def test_logged_gradient_norm_is_the_mean_over_its_window(tmp_path):
   workdir = str(tmp_path / "w")
   Toy(_config(log_every=4, eval_every=0), workdir).run()
   got = {r["step"]: r["grad_norm"] for r in _rows_of(workdir) if r["split"] == "train"}
-  it, w, norms = _rows(0), np.zeros(DIM, np.float32), []
-  for _ in range(6):
-    batch = next(it)
-    g = np.asarray(jax.grad(lambda p: _loss(p, batch)[0])({"w": jnp.asarray(w)})["w"])
-    norms.append(float(np.sqrt(np.sum(np.asarray(g, np.float64) ** 2))))
-    w = w - LR * g
+  norms = []
+  _plain(6, norms)
   assert sorted(got) == [4, 6]
   np.testing.assert_allclose(got[4], np.mean(norms[:4]), rtol=1e-5)
   np.testing.assert_allclose(got[6], np.mean(norms[4:]), rtol=1e-5)

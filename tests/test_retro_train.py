@@ -94,9 +94,9 @@ def _start_training(tmp_path_factory):
   config.db.dir left empty)."""
   root = tmp_path_factory.mktemp("retro")
   work, log = str(root / "work"), root / "trained.log"
-  # STEPS with one checkpoint per model, at the end: no test reads the others (~4 s of writes).
-  steps = [s if "checkpoint_every" not in s else "--config.checkpoint_every=6" for s in STEPS]
-  proc = start("retro_train", CONFIG, f"--workdir={work}", *steps, f"--config.mesh={MESH_3D}",
+  # One checkpoint per model, at the end: no test reads the others (~4 s of writes).
+  proc = start("retro_train", CONFIG, f"--workdir={work}", "--config.num_steps=6",
+               "--config.checkpoint_every=6", "--config.log_every=1", f"--config.mesh={MESH_3D}",
                log=log)
 
   def finish():
