@@ -100,7 +100,7 @@ def test_ask_json_is_the_prediction(workdir, system):
   expected = system.answer([QUESTION])[0]
   assert pred["answer"] == expected["answer"] and pred["block_id"] == expected["block_id"]
   np.testing.assert_allclose(pred["score"], expected["score"], rtol=1e-4)
-  assert 0 < pred["seconds"] < 1.0
+  assert pred["seconds"] > 0  # (how fast: test_a_loaded_system_answers_without_compiling)
   if pred["answer"]:  # the answer is cut from its block's own text
     row = int(system.corpus.rows_of(np.array([pred["block_id"]]))[0])
     block = system.corpus[row]

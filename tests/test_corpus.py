@@ -249,9 +249,11 @@ def test_a_second_build_of_the_same_corpus_waits_for_the_first(tmp_path, vocab_f
     with exclusive_lock(os.path.join(os.path.dirname(builder.data_dir), LOCK), "a test"):
       waiting = threading.Thread(target=lambda: got.update(corpus=Corpus.build(data, config)))
       waiting.start()
-      time.sleep(2)
-      assert waiting.is_alive() and "Waiting for another process building the jsonl corpus" in (
-          caplog.text)
+      deadline = time.monotonic() + 120  # (however busy the machine: it waits, then says so)
+      while "Waiting for another process building the jsonl corpus" not in caplog.text:
+        assert waiting.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+      assert waiting.is_alive()
       builder.download_and_prepare()  # the other process's build
       built = {f: os.stat(os.path.join(builder.data_dir, f)).st_mtime_ns
                for f in os.listdir(builder.data_dir)}
