@@ -230,7 +230,7 @@ def test_a_refused_run_leaves_nothing_in_a_new_workdir(tmp_path, db, trained):
 
 
 @pytest.mark.slow
-def test_a_run_trained_on_another_build_of_its_database_is_refused(tmp_path, trained):
+def test_a_run_trained_on_another_build_of_its_database_is_refused(tmp_path, trained, db):
   """The database of a finished run built again with other files (the issue's: the first build
   had read a damaged stage; deleted and built again, its neighbours differ): going on would keep
   models and results of the old database beside the new one ("Nothing to do"), so the run is
@@ -252,6 +252,14 @@ def test_a_run_trained_on_another_build_of_its_database_is_refused(tmp_path, tra
                      r"now [0-9a-f]{16}: built again, or from other text\)\. To train it on this "
                      rf"database, move {workdir}/retro away"):
     train_and_evaluate(config, str(workdir))
+  # Its export, evaluated or sampled over the rebuilt database, is refused the same way (the
+  # evaluation, kNN-LM and sampling all open a model through check_compatible).
+  rebuilt = build_database(get_config("tiny").db, str(db_dir))
+  with pytest.raises(ValueError, match=rf"trained on another build of the chunk database than the "
+                     rf"one in {db_dir} now \(its files' fingerprint was [0-9a-f]{{16}}, now "
+                     r"[0-9a-f]{16}: built again, or from other text\): evaluate it with the"):
+    RetroLm(str(workdir / "retro" / "export"), rebuilt)
+  RetroLm(os.path.join(trained, "retro", "export"), db)  # (its own database: accepted)
 
 
 # ---------------------------------------------------------------------------------- evaluation

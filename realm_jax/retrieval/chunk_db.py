@@ -655,9 +655,18 @@ class RetroDb:
 
   def check_compatible(self, tokenizer_name: str | None = None,
                        key_fingerprint: str | None = None,
-                       chunk_length: int | None = None) -> None:
-    """Refuses a model made with another tokenizer or key tower than this database's, or one that
-    reads neighbours in chunks of another length (`chunk_length`: a retrieval model's)."""
+                       chunk_length: int | None = None,
+                       files_fingerprint: str | None = None) -> None:
+    """Refuses a model made with another tokenizer or key tower than this database's, one that
+    reads neighbours in chunks of another length (`chunk_length`: a retrieval model's), or one
+    trained on another build of it (`files_fingerprint`, as its export records; None: not
+    recorded)."""
+    if files_fingerprint is not None and files_fingerprint != self.files_fingerprint:
+      raise ValueError(
+          f"The model was trained on another build of the chunk database than the one in "
+          f"{self.directory} now (its files' fingerprint was {files_fingerprint}, now "
+          f"{self.files_fingerprint}: built again, or from other text): evaluate it with the "
+          "database it was trained on, or train it again on this one (retro_train.py).")
     for flag, asked, own in (("--config.db.tokenizer_file", tokenizer_name, self.tokenizer.name),
                              ("--config.db.key_weights", key_fingerprint, self.key_fingerprint),
                              ("--config.db.chunk_length", chunk_length, self.chunk_length)):
