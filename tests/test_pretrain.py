@@ -487,6 +487,33 @@ def test_refresher_reads_a_checkpoint_saved_on_other_devices(tmp_path):
   np.testing.assert_array_equal(np.array(json.loads(values), np.float32), retriever["w"])
 
 
+def test_refresher_never_reads_a_retriever_of_other_bytes_than_were_saved(tmp_path):
+  """A retriever array that reads other bytes than were saved (its CRC-32 in the meta made to
+  differ, as a flipped byte on disk would) is refused by the refresher's read, naming the
+  checkpoint and the array (the refresher then indexes nothing from it)."""
+  import jax
+  from realm_jax.checkpoints import training as checkpoints
+  from realm_jax.train import refresher
+  rng = np.random.default_rng(0)
+  state = {"params": {"retriever": {"w": rng.standard_normal((4, 6)).astype(np.float32)},
+                      "encoder": {"w": np.ones(3, np.float32)}}, "step": np.int32(5)}
+  manager = checkpoints.checkpoint_manager(str(tmp_path), data=False)
+  checkpoints.save(manager, 5, jax.device_put(state), {"step": 5})
+  manager.wait_until_finished()
+  np.testing.assert_array_equal(refresher.read_retriever_params(str(tmp_path), 5)["w"],
+                                state["params"]["retriever"]["w"])
+  meta_path = tmp_path / "5" / "meta" / "metadata"
+  meta = json.loads(meta_path.read_text())
+  crc = meta[checkpoints.CRC_KEY]["params/retriever/w"]
+  meta[checkpoints.CRC_KEY]["params/retriever/w"] = f"{int(crc, 16) ^ 1:08x}"
+  meta_path.write_text(json.dumps(meta))
+  with pytest.raises(refresher.DamagedCheckpointError,
+                     match=rf"Checkpoint 5 in {tmp_path} is damaged: 1 of its arrays read other "
+                           r"bytes than were saved, by the CRC-32 recorded then \(params/"
+                           r"retriever/w\)"):
+    refresher.read_retriever_params(str(tmp_path), 5)
+
+
 @pytest.mark.slow
 def test_refresher_killed_midway_then_trainer_picks_up_complete_indexes(tmp_path, data_dir,
                                                                          uninterrupted):

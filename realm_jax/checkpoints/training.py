@@ -192,6 +192,17 @@ def _crc_mismatch(saved: dict | None, restored) -> str | None:
           f"then ({', '.join(differ[:2])}{', ...' if len(differ) > 2 else ''})")
 
 
+def partial_read_problem(step_dir: str, restored: dict) -> str | None:
+  """Why `restored`, a part of checkpoint `step_dir`'s state read by itself (e.g. the retriever's
+  parameters alone, {"params": {"retriever": ...}}), is not what was saved, by the CRC-32 its
+  meta recorded; None when it is, or when none were recorded."""
+  try:
+    meta = read_json(os.path.join(step_dir, "meta", "metadata"))
+  except (OSError, ValueError) as e:
+    return f"its meta does not read ({e})"
+  return _crc_mismatch(meta.get(CRC_KEY), restored)
+
+
 def _key_name(key) -> str:
   """A tree key as orbax names it on disk (dict key, attribute name or sequence index)."""
   for attr in ("key", "name", "idx"):

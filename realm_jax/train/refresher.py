@@ -36,7 +36,8 @@ def read_retriever_params(checkpoint_dir: str, step: int) -> dict:
 
   Only they are read (not the encoder or the optimiser state), as numpy arrays: the refresher
   usually sees other devices than the trainer that saved the checkpoint (its own VM, or one GPU
-  beside a trainer on all the others), so the saved shardings mean nothing here.
+  beside a trainer on all the others), so the saved shardings mean nothing here. Raises
+  DamagedCheckpointError when they differ from the CRC-32 recorded when it was saved.
   """
   path = os.path.join(absolute(checkpoint_dir), str(step), "state")
   tree = ocp.StandardCheckpointer().metadata(path).item_metadata
@@ -48,7 +49,14 @@ def read_retriever_params(checkpoint_dir: str, step: int) -> dict:
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
   restored = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
       item=wanted, restore_args=as_numpy, partial_restore=True))
+  problem = checkpoints.partial_read_problem(os.path.dirname(path), restored)
+  if problem:
+    raise DamagedCheckpointError(f"Checkpoint {step} in {checkpoint_dir} is damaged: {problem}.")
   return restored["params"]["retriever"]
+
+
+class DamagedCheckpointError(ValueError):
+  """A checkpoint whose retriever parameters read other bytes than were saved."""
 
 
 # The trainer's settings that decide what an index holds: the retriever's shapes, the corpus and
@@ -140,6 +148,7 @@ def run_refresher(config, workdir: str, *, poll_seconds: float = 10.0,
     ckpt_dir = os.path.join(workdir, "checkpoints")
     published, idle_since, manager = 0, time.monotonic(), None
     said_at = None  # when it last said what it waits for; None: not since the last index
+    damaged = set()  # steps whose retriever read other bytes than were saved
     while max_refreshes is None or published < max_refreshes:
       if manager is None and as_path(ckpt_dir).is_dir():
         manager = ocp.CheckpointManager(absolute(ckpt_dir),
@@ -148,9 +157,14 @@ def run_refresher(config, workdir: str, *, poll_seconds: float = 10.0,
         manager.reload()  # only finalised checkpoints count: a half-written one is invisible
       newest = None if manager is None else manager.latest_step()
       indexed = index_step(latest_index_dir(root))
-      if newest is not None and newest > indexed:
+      if newest is not None and newest > indexed and newest not in damaged:
         start = time.perf_counter()
-        params = read_retriever_params(ckpt_dir, newest)
+        try:
+          params = read_retriever_params(ckpt_dir, newest)
+        except DamagedCheckpointError as e:  # no index from it; the trainer sets it aside
+          logging.warning("%s Not indexed: waiting for the next checkpoint.", e)
+          damaged.add(newest)
+          continue
         _, path = refresh(root, embedder, params, newest, options,
                           keep=int(config.index.get("keep", 0)),
                           protect=lambda: checkpoints.indexes_in_use(ckpt_dir))
