@@ -334,6 +334,13 @@ def test_user_mistake_is_one_error_line(answers, name):
     assert word.replace("{W}", workdir) in errors[0], errors[0]
 
 
+def test_a_table_asked_of_a_missing_run_makes_no_directory(answers):
+  """`ablations.py --table_only` on a work directory that does not exist is refused and leaves
+  nothing: it once created the directory and wrote an empty table there."""
+  _, got, workdir = answers["ablations-table-only-without-a-run"]
+  assert got.returncode == 2 and not os.path.exists(workdir)
+
+
 def test_an_error_after_a_progress_bar_starts_a_line_of_its_own(capsys):
   """A progress bar leaves stderr mid-line (it redraws after a carriage return): the `error:`
   written after it started no line, and `grep ^error:` did not find it."""
