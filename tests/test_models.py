@@ -125,3 +125,31 @@ def test_query_ignore_id_treats_the_token_as_padding_in_the_query_tower_only():
     close(c_hide, c_plain)
     close(q_hide[1], q_plain[1])       # no 9 in the second query
     assert np.abs(q_hide[0] - q_plain[0]).max() > 1e-3
+
+
+def test_bf16_compute_keeps_the_softmax_probabilities_in_bf16_for_the_backward():
+  """With bfloat16 compute, BERT's attention softmax is the float32 softmax going forward; its
+  gradient, by hand, is y * (g - sum(g * y)) with y rounded to bfloat16; in float32 compute the
+  softmax is jax's own (its gradient with y in float32)."""
+  import jax
+  import jax.numpy as jnp
+  from realm_jax.models import bert
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 3, 5, 7)) * 3, jnp.float32)
+  g = jnp.asarray(rng.normal(size=(2, 3, 5, 7)), jnp.float32)
+  y, vjp = jax.vjp(bert.softmax_bf16_backward, x)
+  np.testing.assert_array_equal(y, jax.nn.softmax(x, axis=-1))
+  yb = np.asarray(np.asarray(y).astype(jnp.bfloat16), np.float64)
+  want = yb * (np.asarray(g, np.float64) - (np.asarray(g, np.float64) * yb).sum(-1, keepdims=True))
+  np.testing.assert_allclose(vjp(g)[0], want, rtol=1e-5, atol=1e-6)
+  exact = jax.vjp(lambda t: jax.nn.softmax(t, axis=-1), x)[1](g)[0]
+  assert not np.allclose(vjp(g)[0], exact, rtol=1e-6, atol=0)  # (the rounding is there)
+  np.testing.assert_allclose(vjp(g)[0], exact, rtol=0.05, atol=5e-3)
+  # Which softmax a layer takes: bfloat16 compute the one above, float32 jax's.
+  from realm_jax.models.config import tiny_config
+  ids = jnp.asarray(rng.integers(1, 100, (2, 16)), jnp.int32)
+  for dtype in ("float32", "bfloat16"):
+    model = bert.BertModel(tiny_config(dtype=dtype))
+    params = jax.jit(model.init)(jax.random.key(0), ids)["params"]
+    text = str(jax.make_jaxpr(lambda p: model.apply({"params": p}, ids))(params))
+    assert ("custom_vjp_call" in text) == (dtype == "bfloat16"), dtype

@@ -65,6 +65,30 @@ class BertEmbeddings(nn.Module):
     return self.dropout(x, deterministic, rows)
 
 
+@jax.custom_vjp
+def softmax_bf16_backward(x: Array) -> Array:
+  """jax.nn.softmax over the last axis (float32), whose backward keeps the probabilities in
+  bfloat16 instead of float32: with bfloat16 compute the context matmul reads them in bfloat16
+  anyway, and the backward's reads of the float32 [B, N, L, L] probabilities were a fifth of the
+  TPU step's traffic (REALM's paper step on a v5e: 80.49 -> 76.95 GiB, 110 -> 101 ms, the
+  compiler's estimates; docs/tpu.md). The gradient is y * (g - sum(g * y)) with y rounded to
+  bfloat16 (a relative error of 2^-9 in y); the forward is unchanged."""
+  return jax.nn.softmax(x, axis=-1)
+
+
+def _softmax_bf16_forward(x):
+  y = jax.nn.softmax(x, axis=-1)
+  return y, y.astype(jnp.bfloat16)
+
+
+def _softmax_bf16_gradient(kept, g):
+  y = kept.astype(jnp.float32)
+  return ((y * (g - jnp.sum(g * y, axis=-1, keepdims=True))).astype(g.dtype),)
+
+
+softmax_bf16_backward.defvjp(_softmax_bf16_forward, _softmax_bf16_gradient)
+
+
 class BertSelfAttention(nn.Module):
   config: RealmConfig
 
@@ -82,7 +106,8 @@ class BertSelfAttention(nn.Module):
     v = split(dense(c, c.hidden_size, "value")(x))
     q = q / jnp.sqrt(head_dim).astype(q.dtype)
     scores = jnp.einsum("bnqd,bnkd->bnqk", q, k).astype(jnp.float32)  # [B, N, Lq, Lk]
-    probs = jax.nn.softmax(scores + mask_bias, axis=-1)
+    probs = (jax.nn.softmax(scores + mask_bias, axis=-1) if c.dtype == "float32"
+             else softmax_bf16_backward(scores + mask_bias))
     probs = Dropout(c.attention_probs_dropout_prob)(probs, deterministic, rows)
     ctx = jnp.einsum("bnqk,bnkd->bnqd", probs.astype(v.dtype), v)   # [B, N, Lq, Dh]
     return ctx.transpose(0, 2, 1, 3).reshape(*x.shape[:-1], c.hidden_size)
