@@ -185,9 +185,7 @@ def evaluate_knnlm(exports: dict[str, str], db, out_dir: str, *, datastore_dirs:
     raise ValueError(f"--datastore_dir={','.join(dirs)}: each model needs its own directory.")
   for name, path in exports.items():   # the cheap checks of every model before any work
     config, params, meta = retro_export.load(path, flag="--models")
-    db.check_compatible(meta["tokenizer"], meta["key_fingerprint"],
-                        config.chunk_length if config.retrieval else None,
-                        meta.get("db_files_fingerprint"))
+    db.check_export(config, meta)
     ds.check_directory(datastore_dirs[name], ds.datastore_settings(
         config, params, db, source=path, dtype=dtype, batch_size=batch_size,
         neighbours=not decoder_memory))

@@ -159,9 +159,7 @@ def evaluate_exports(exports: dict[str, str], db, out_dir: str, batch_size: int 
   systems, buckets_of = {}, {}   # (batch, k) -> overlap bucket of each target [B, L]
   for name, path in exports.items():
     config, params, meta = retro_export.load(path, flag="--models")
-    db.check_compatible(meta["tokenizer"], meta["key_fingerprint"],
-                        config.chunk_length if config.retrieval else None,
-                        meta.get("db_files_fingerprint"))
+    db.check_export(config, meta)
     params = jax.device_put(params)
     # (label, with neighbours, the neighbours read instead of the records' own, where they are
     # from: the overlap buckets are computed once per batch and source)

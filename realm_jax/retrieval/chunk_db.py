@@ -653,6 +653,12 @@ class RetroDb:
     return embed_in_buckets(tower.embed, inputs, 256, [self.settings["key_length"]],
                             progress=tqdm(disable=True))
 
+  def check_export(self, config, meta: dict) -> None:
+    """check_compatible for a RETRO export: its model config and the meta it was saved with."""
+    self.check_compatible(meta["tokenizer"], meta["key_fingerprint"],
+                          config.chunk_length if config.retrieval else None,
+                          meta.get("db_files_fingerprint"))
+
   def check_compatible(self, tokenizer_name: str | None = None,
                        key_fingerprint: str | None = None,
                        chunk_length: int | None = None,

@@ -27,9 +27,7 @@ class RetroLm:
 
   def __init__(self, export_dir: str, db, searcher: str | None = None, flag: str = "--model"):
     self.config, params, meta = retro_export.load(export_dir, flag=flag)
-    db.check_compatible(meta["tokenizer"], meta["key_fingerprint"],
-                        self.config.chunk_length if self.config.retrieval else None,
-                        meta.get("db_files_fingerprint"))
+    db.check_export(self.config, meta)
     self.db, self.params = db, jax.device_put(params)
     self.index = db.load_index(searcher) if self.config.retrieval else None
     m = self.config.chunk_length
