@@ -14,6 +14,14 @@ side by side in one run on this machine, and what retrieval costs a RETROfit:
 
   python benchmarks/smollm2.py                     # B 8 x 256 tokens, the RETROfit's shapes
   python benchmarks/smollm2.py --batch=2 --repeats=2
+  python benchmarks/smollm2.py --write_shapes=work/smollm2_shapes    # config.json, tokenizer.json
+  python benchmarks/smollm2.py --decoder=work/smollm2_shapes --random_weights --dtype=bfloat16
+
+--random_weights times the same shapes with random weights (both frameworks), for a machine without
+the 98 MB weights (an accelerator host that only takes a small working tree): --write_shapes writes
+a Hugging Face directory holding only SmolLM2's config.json, tokenizer.json (3.5 MB) and a shard
+index naming no shards, and --decoder names it. --dtype=bfloat16 computes in bfloat16 on both
+sides (realm_jax: the config's dtype, float32 parameters; PyTorch: torch.autocast). On a GPU, PyTorch runs on it ("cuda").
 
 Each figure is the median of --repeats timed calls after one warm-up call (compilation). Both
 frameworks use every core (torch.set_num_threads(os.cpu_count())). Prints a table and writes
@@ -49,26 +57,37 @@ def main():
   parser.add_argument("--length", type=int, default=256)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default="benchmarks/results/smollm2.json")
+  parser.add_argument("--decoder", default="smollm2",
+                      help="smollm2 (the package's GGUF) or a Llama-family HF directory")
+  parser.add_argument("--random_weights", action="store_true",
+                      help="random weights of the decoder's shapes (no weights file read)")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+  parser.add_argument("--write_shapes", metavar="DIR",
+                      help="write SmolLM2's config.json and tokenizer.json to DIR and stop")
   args = parser.parse_args()
+  if args.write_shapes:
+    write_shapes(args.write_shapes)
+    return
 
   import jax
   import torch
   import transformers
 
   from realm_jax.checkpoints import decoder
-  from realm_jax.checkpoints.llama import SMOLLM2
   from realm_jax.configs.retro import get_config
   from realm_jax.models.retro import RetroConfig, RetroModel
-  from realm_jax.text.lm_tokenizer import smollm2_path
+  from realm_jax.text.lm_tokenizer import SMOLLM2, smollm2_path
   from realm_jax.train.lm_step import init_params, model_config, optimizer, train_step
   from realm_jax.train.realm_step import TrainState
 
   torch.set_num_threads(os.cpu_count())
+  device = "cuda" if torch.cuda.is_available() else "cpu"
   b, length = args.batch, args.length
+  source = args.decoder
   config = get_config("retrofit_smollm2")
   m, k = config.db.chunk_length, config.model.num_neighbours
   rng = np.random.default_rng(0)
-  settings = decoder.decoder_settings(SMOLLM2)
+  settings = decoder.decoder_settings(source, "--decoder")
   vocab = settings["vocab_size"]
   batch = {"inputs": rng.integers(17, vocab, (b, length)).astype(np.int32),
            "targets": rng.integers(17, vocab, (b, length)).astype(np.int32),
@@ -76,11 +95,15 @@ def main():
            "segments": np.zeros((b, length), np.int32),
            "loss_mask": np.ones((b, length), np.float32),
            "target_bytes": np.full((b, length), 4.6, np.float32)}
-  weights = decoder.load_decoder(SMOLLM2)
   results = {}
 
   # realm_jax: forward, full training step, RETROfit step.
-  plain = RetroModel(RetroConfig(**settings))
+  plain = RetroModel(RetroConfig(**settings, dtype=args.dtype))
+  if args.random_weights:
+    weights = jax.device_get(jax.jit(functools.partial(init_params, plain, length // m, False))(
+        jax.random.key(1)))  # host arrays: the steps below donate the device copies
+  else:
+    weights = decoder.load_decoder(source, "--decoder")
   params = jax.device_put(weights)
   fwd = jax.jit(lambda p, t, s: plain.apply({"params": p}, t, segments=s))
   results["jax_forward_s"] = _median_seconds(
@@ -91,6 +114,7 @@ def main():
     jitted with its state donated as the loop does; dropout as the config says (0: none)."""
     cfg = get_config("retrofit_smollm2")
     cfg.freeze_decoder, cfg.num_steps = freeze, 100
+    cfg.model.dtype = args.dtype
     _, tx = optimizer(cfg, params)
     state = TrainState.create(apply_fn=None, params=params, tx=tx)
     step = jax.jit(functools.partial(train_step, module=module, retrieval=retrieval,
@@ -107,11 +131,11 @@ def main():
                                                 args.repeats)
   # The RETROfit's model as the trainer builds it from the config (its database stands in: the
   # tokenizer and the chunking are all model_config reads of it).
-  db = types.SimpleNamespace(tokenizer=decoder.load_tokenizer(SMOLLM2), chunk_length=m,
-                             seq_chunks=length // m)
+  db = types.SimpleNamespace(tokenizer=decoder.load_tokenizer(source, "--decoder"),
+                             chunk_length=m, seq_chunks=length // m)
   for memory in ("decoder", "encoder"):
     cfg = get_config("retrofit_smollm2")
-    cfg.model.cca_memory = memory
+    cfg.init, cfg.model.cca_memory, cfg.model.dtype = source, memory, args.dtype
     retro = RetroModel(model_config(cfg, db, True))
     init = jax.jit(functools.partial(init_params, retro, db.seq_chunks, True))(jax.random.key(0))
     rparams = decoder.retrofit(init, weights)
@@ -119,29 +143,42 @@ def main():
         trainer(retro, rparams, True, True), args.repeats)
     del rparams, init
 
-  # Hugging Face PyTorch, the same GGUF.
-  path = smollm2_path("--benchmark")
-  hf = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-  tokens = torch.as_tensor(batch["inputs"], dtype=torch.long)
-  targets = torch.as_tensor(batch["targets"], dtype=torch.long)
+  # Hugging Face PyTorch: the same GGUF or directory, or random weights of its config.
+  if args.random_weights:
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(source))
+  elif source == SMOLLM2:
+    path = smollm2_path("--decoder")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path))
+  else:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source)
+  hf = hf.to(device=device, dtype=torch.float32)
+  tokens = torch.as_tensor(batch["inputs"], dtype=torch.long, device=device)
+  targets = torch.as_tensor(batch["targets"], dtype=torch.long, device=device)
+  autocast = functools.partial(torch.autocast, device_type=device, dtype=torch.bfloat16,
+                               enabled=args.dtype == "bfloat16")
+  sync = torch.cuda.synchronize if device == "cuda" else lambda: None
   hf.eval()
 
   def hf_forward():
-    with torch.no_grad():
+    with torch.no_grad(), autocast():
       hf(tokens)
+    sync()
   results["torch_forward_s"] = _median_seconds(hf_forward, args.repeats)
   hf.train()
   opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1)
 
   def hf_step():
     opt.zero_grad(set_to_none=True)
-    logits = hf(tokens).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             targets.reshape(-1))
+    with autocast():
+      logits = hf(tokens).logits
+      loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                               targets.reshape(-1))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
     opt.step()
+    sync()
   results["torch_train_step_s"] = _median_seconds(hf_step, args.repeats)
 
   tokens_per_call = b * length
@@ -149,7 +186,10 @@ def main():
           ("training step (every weight)", "jax_train_step_s", "torch_train_step_s")]
   cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
               if line.startswith("model name")), "?")
-  print(f"SmolLM2-135M, B {b} x L {length} tokens, float32, {os.cpu_count()} cores ({cpu})\n")
+  where = (f"jax on {jax.devices()[0].device_kind}, PyTorch on "
+           f"{torch.cuda.get_device_name() if device == 'cuda' else 'the CPU'}")
+  print(f"{source}{' (random weights)' if args.random_weights else ''}, B {b} x L {length} "
+        f"tokens, {args.dtype}, {os.cpu_count()} cores ({cpu}); {where}\n")
   print("| what | realm_jax tokens/s | PyTorch tokens/s | realm_jax / PyTorch |")
   print("| --- | --- | --- | --- |")
   for name, ours, theirs in rows:
@@ -162,12 +202,49 @@ def main():
     print(f"RETROfit step ({name}): {step:.2f} s ({tokens_per_call / step:,.0f} tokens/s) = "
           f"{step / results['jax_forward_s']:.2f}x the frozen decoder's forward "
           f"({results['jax_forward_s']:.2f} s)")
-  results.update(batch=b, length=length, repeats=args.repeats, cpu=cpu, cores=os.cpu_count(),
-                 jax=jax.__version__, torch=torch.__version__)
+  results.update(decoder=source, random_weights=args.random_weights, dtype=args.dtype,
+                 batch=b, length=length, repeats=args.repeats, cpu=cpu, cores=os.cpu_count(),
+                 jax_device=jax.devices()[0].device_kind, torch_device=where.split(", ")[1],
+                 jax=jax.__version__, torch=torch.__version__,
+                 transformers=transformers.__version__)
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out + ".tmp", "w") as f:
     json.dump(results, f, indent=1)
   os.replace(args.out + ".tmp", args.out)
+
+
+def write_shapes(directory: str):
+  """SmolLM2's config.json (from the GGUF's metadata) and tokenizer.json (its vocabulary and
+  merges): a Hugging Face directory without weights, for --random_weights elsewhere."""
+  from realm_jax.checkpoints import decoder
+  from realm_jax.text.lm_tokenizer import SMOLLM2
+
+  s = decoder.decoder_settings(SMOLLM2)
+  tokenizer = decoder.load_tokenizer(SMOLLM2)
+  config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            "vocab_size": s["vocab_size"], "num_hidden_layers": s["num_layers"],
+            "hidden_size": s["hidden_size"], "num_attention_heads": s["num_heads"],
+            "num_key_value_heads": s["num_kv_heads"], "head_dim": s["head_dim"],
+            "intermediate_size": s["mlp_size"], "max_position_embeddings": s["max_length"],
+            "rms_norm_eps": s["layer_norm_eps"], "rope_theta": s["rope_theta"],
+            "tie_word_embeddings": s["tie_embeddings"], "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "bos_token_id": tokenizer.eos_id,
+            "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+  if s["rope_scaling"] or s["sliding_window"] or s["attention_bias"]:
+    raise SystemExit("error: SmolLM2's settings changed (rope scaling, window or biases): "
+                     "extend write_shapes in benchmarks/smollm2.py.")
+  # As benchmarks/llama3_8b_shapes.py: a shard index naming no shards, so the weights resolver
+  # takes the directory; reading its weights fails on the first one missing.
+  index = {"metadata": {"note": "shapes only, no weights: benchmarks/smollm2.py --write_shapes"},
+           "weight_map": {}}
+  os.makedirs(directory, exist_ok=True)
+  for name, value in (("config.json", config), ("model.safetensors.index.json", index)):
+    path = os.path.join(directory, name)
+    with open(path + ".tmp", "w") as f:
+      json.dump(value, f, indent=1)
+    os.replace(path + ".tmp", path)
+  tokenizer.save_json(os.path.join(directory, "tokenizer.json"))
+  print(f"wrote {directory}: config.json, tokenizer.json, model.safetensors.index.json")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,15 @@ class LmTokenizer:
       return self._bert.decode(ids)
     return self._hf.decode(ids, skip_special_tokens=True)
 
+  def save_json(self, path: str):
+    """The tokenizer as a `tokenizers` tokenizer.json at `path` (written whole, then renamed);
+    load_lm_tokenizer(path, "") reads it back. Not for a BERT WordPiece tokenizer (its vocab.txt
+    is the file)."""
+    if self._hf is None:
+      raise ValueError(f"{self.name} is a WordPiece vocabulary: its file is {self.bert_vocab}.")
+    self._hf.save(path + ".tmp")
+    os.replace(path + ".tmp", path)
+
   def __repr__(self) -> str:
     return (f"LmTokenizer({self.name}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
             f"pad_id={self.pad_id})")
