@@ -23,9 +23,10 @@ a Hugging Face directory holding only SmolLM2's config.json, tokenizer.json (3.5
 index naming no shards, and --decoder names it. --dtype=bfloat16 computes in bfloat16 on both
 sides (realm_jax: the config's dtype, float32 parameters; PyTorch: torch.autocast). On a GPU, PyTorch runs on it ("cuda").
 
-Each figure is the median of --repeats timed calls after one warm-up call (compilation). Both
-frameworks use every core (torch.set_num_threads(os.cpu_count())). Prints a table and writes
-benchmarks/results/smollm2.json.
+Each figure is the median of --repeats timed calls after one warm-up call (compilation), whose
+seconds are kept too (`*_first_call_s`). Both frameworks use every core
+(torch.set_num_threads(os.cpu_count())). Prints each figure as it is measured, then a table;
+writes benchmarks/results/smollm2.json again after each figure.
 """
 
 from __future__ import annotations
@@ -41,14 +42,17 @@ import types
 import numpy as np
 
 
-def _median_seconds(fn, repeats: int) -> float:
-  fn()  # warm-up: compilation, allocation
+def _median_seconds(fn, repeats: int) -> tuple[float, float]:
+  """(median of `repeats` timed calls, the first call's seconds: compilation, allocation)."""
+  t = time.perf_counter()
+  fn()
+  first = time.perf_counter() - t
   times = []
   for _ in range(repeats):
     t = time.perf_counter()
     fn()
     times.append(time.perf_counter() - t)
-  return statistics.median(times)
+  return statistics.median(times), first
 
 
 def main():
@@ -95,7 +99,27 @@ def main():
            "segments": np.zeros((b, length), np.int32),
            "loss_mask": np.ones((b, length), np.float32),
            "target_bytes": np.full((b, length), 4.6, np.float32)}
-  results = {}
+  cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+              if line.startswith("model name")), "?")
+  where = (f"jax on {jax.devices()[0].device_kind}, PyTorch on "
+           f"{torch.cuda.get_device_name() if device == 'cuda' else 'the CPU'}")
+  results = dict(decoder=source, random_weights=args.random_weights, dtype=args.dtype,
+                 batch=b, length=length, repeats=args.repeats, cpu=cpu, cores=os.cpu_count(),
+                 jax_device=jax.devices()[0].device_kind, torch_device=where.split(", ")[1],
+                 jax=jax.__version__, torch=torch.__version__,
+                 transformers=transformers.__version__)
+  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+
+  def measure(name: str, fn):
+    """Times `fn` into results[name] (and its first call, compilation included), prints it and
+    writes --out again, so that a run stopped later keeps what it measured."""
+    results[name], results[name.replace("_s", "_first_call_s")] = _median_seconds(
+        fn, args.repeats)
+    print(f"{name}: {results[name]:.4f} s (first call "
+          f"{results[name.replace('_s', '_first_call_s')]:.1f} s)", flush=True)
+    with open(args.out + ".tmp", "w") as f:
+      json.dump(results, f, indent=1)
+    os.replace(args.out + ".tmp", args.out)
 
   # realm_jax: forward, full training step, RETROfit step.
   plain = RetroModel(RetroConfig(**settings, dtype=args.dtype))
@@ -106,8 +130,8 @@ def main():
     weights = decoder.load_decoder(source, "--decoder")
   params = jax.device_put(weights)
   fwd = jax.jit(lambda p, t, s: plain.apply({"params": p}, t, segments=s))
-  results["jax_forward_s"] = _median_seconds(
-      lambda: jax.block_until_ready(fwd(params, batch["inputs"], batch["segments"])), args.repeats)
+  measure("jax_forward_s",
+          lambda: jax.block_until_ready(fwd(params, batch["inputs"], batch["segments"])))
 
   def trainer(module, params, retrieval, freeze):
     """The trainer's own step (train/lm_step.train_step: loss, guarded AdamW update, grad norm),
@@ -127,8 +151,7 @@ def main():
       jax.block_until_ready((box[0], out))
     return run
 
-  results["jax_train_step_s"] = _median_seconds(trainer(plain, params, False, False),
-                                                args.repeats)
+  measure("jax_train_step_s", trainer(plain, params, False, False))
   # The RETROfit's model as the trainer builds it from the config (its database stands in: the
   # tokenizer and the chunking are all model_config reads of it).
   db = types.SimpleNamespace(tokenizer=decoder.load_tokenizer(source, "--decoder"),
@@ -139,8 +162,7 @@ def main():
     retro = RetroModel(model_config(cfg, db, True))
     init = jax.jit(functools.partial(init_params, retro, db.seq_chunks, True))(jax.random.key(0))
     rparams = decoder.retrofit(init, weights)
-    results[f"jax_retrofit_{memory}_step_s"] = _median_seconds(
-        trainer(retro, rparams, True, True), args.repeats)
+    measure(f"jax_retrofit_{memory}_step_s", trainer(retro, rparams, True, True))
     del rparams, init
 
   # Hugging Face PyTorch: the same GGUF or directory, or random weights of its config.
@@ -165,7 +187,7 @@ def main():
     with torch.no_grad(), autocast():
       hf(tokens)
     sync()
-  results["torch_forward_s"] = _median_seconds(hf_forward, args.repeats)
+  measure("torch_forward_s", hf_forward)
   hf.train()
   opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -179,16 +201,12 @@ def main():
     torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
     opt.step()
     sync()
-  results["torch_train_step_s"] = _median_seconds(hf_step, args.repeats)
+  measure("torch_train_step_s", hf_step)
 
   tokens_per_call = b * length
   rows = [("forward", "jax_forward_s", "torch_forward_s"),
           ("training step (every weight)", "jax_train_step_s", "torch_train_step_s")]
-  cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-              if line.startswith("model name")), "?")
-  where = (f"jax on {jax.devices()[0].device_kind}, PyTorch on "
-           f"{torch.cuda.get_device_name() if device == 'cuda' else 'the CPU'}")
-  print(f"{source}{' (random weights)' if args.random_weights else ''}, B {b} x L {length} "
+  print(f"\n{source}{' (random weights)' if args.random_weights else ''}, B {b} x L {length} "
         f"tokens, {args.dtype}, {os.cpu_count()} cores ({cpu}); {where}\n")
   print("| what | realm_jax tokens/s | PyTorch tokens/s | realm_jax / PyTorch |")
   print("| --- | --- | --- | --- |")
@@ -202,15 +220,6 @@ def main():
     print(f"RETROfit step ({name}): {step:.2f} s ({tokens_per_call / step:,.0f} tokens/s) = "
           f"{step / results['jax_forward_s']:.2f}x the frozen decoder's forward "
           f"({results['jax_forward_s']:.2f} s)")
-  results.update(decoder=source, random_weights=args.random_weights, dtype=args.dtype,
-                 batch=b, length=length, repeats=args.repeats, cpu=cpu, cores=os.cpu_count(),
-                 jax_device=jax.devices()[0].device_kind, torch_device=where.split(", ")[1],
-                 jax=jax.__version__, torch=torch.__version__,
-                 transformers=transformers.__version__)
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out + ".tmp", "w") as f:
-    json.dump(results, f, indent=1)
-  os.replace(args.out + ".tmp", args.out)
 
 
 def write_shapes(directory: str):

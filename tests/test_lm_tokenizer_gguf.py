@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from realm_jax.checkpoints import llama  # noqa: E402
+from realm_jax.checkpoints.hf import CheckpointError  # noqa: E402
 from realm_jax.text.lm_tokenizer import _pre_tokenizer, load_lm_tokenizer  # noqa: E402
 
 FLAG = "--config.test_tokenizer"
@@ -139,3 +140,28 @@ def test_tokenizer_json_pad_is_not_eos(tmp_path):
   tok = load_lm_tokenizer(_tokenizer_json(tmp_path, ["<|endoftext|>"]), "", FLAG)
   assert (tok.eos_id, tok.pad_id, tok.vocab_size) == (1, 4, 4)
   assert tok.pad_id not in sum(tok.encode_batch(["the cat", "cat the the"]), [])
+
+
+def test_shapes_directory_has_smollm2s_settings_and_tokenizer(tokenizers, tmp_path):
+  """benchmarks/smollm2.py --write_shapes: a Hugging Face directory without weights whose
+  config.json gives the decoder settings the GGUF's metadata gives, and whose tokenizer.json
+  (LmTokenizer.save_json) encodes and decodes as the GGUF's vocabulary does."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = str(tmp_path / "shapes")
+  subprocess.run([sys.executable, os.path.join(root, "benchmarks", "smollm2.py"),
+                  f"--write_shapes={out}"], check=True, capture_output=True, timeout=300)
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors.index.json",
+                                     "tokenizer.json"]
+  assert llama.decoder_settings(out, FLAG) == llama.decoder_settings(llama.SMOLLM2, FLAG)
+  ours, _ = tokenizers
+  saved = llama.load_tokenizer(out, FLAG)
+  # The padding id is chosen by each reader (tokenizer.json: not eos); the vocabulary is one.
+  assert (saved.vocab_size, saved.eos_id) == (ours.vocab_size, ours.eos_id)
+  texts = _documents(200) + HARD
+  assert saved.encode_batch(texts) == ours.encode_batch(texts)
+  ids = ours.encode_batch(HARD)
+  assert [saved.decode(i) for i in ids] == HARD
+  with pytest.raises(CheckpointError, match="has no 'model.embed_tokens.weight'"):
+    llama.load_decoder(out, FLAG)  # shapes only: no weights to read
