@@ -26,6 +26,8 @@ median is reported.
           queries per call, top `--k`. FLOPs: the scores' matmul, 2 N D Q per call (the top-k is
           not counted). Stored as float32 and scored at "highest" precision (the library's
           defaults), so this is a fraction of a bf16 peak that float32 arithmetic cannot come near.
+          A shard whose Q x N float32 scores pass `--search_max_score_mib` (default the library's
+          MAX_SCORE_BYTES, 256 MiB) is scored in blocks of rows (the JSON's block_rows).
 
 --quick: a 1-layer BERT of width 64 ("tiny"); the step at B 2, K 2, Lq 16, Ld 32, Le 48, M 4; 2
 calls of 4 blocks of 288 word pieces; 20,000 x 128 rows, 64 queries; 3 repeats. ~35 s on 2 busy
@@ -134,6 +136,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--search_dim", type=int, default=128, help="D: index dimension")
   p.add_argument("--search_dtype", choices=("float32", "bfloat16"), default="float32",
                  help="index storage dtype (scores are float32 either way)")
+  p.add_argument("--search_max_score_mib", type=int, default=0,
+                 help="float32 scores the search holds at once, MiB (0: the library's "
+                      "MAX_SCORE_BYTES); above it a shard is scored in blocks of rows")
   p.add_argument("--k", type=int, default=10)
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
@@ -354,6 +359,7 @@ def _measure_search(args, device, n: int) -> dict:
   import jax
   from jax.sharding import Mesh
 
+  from realm_jax.retrieval.exact import MAX_SCORE_BYTES
   from realm_jax.retrieval.index import DocIndex
 
   d, q = args.search_dim, args.queries
@@ -366,13 +372,15 @@ def _measure_search(args, device, n: int) -> dict:
     return centers[which] + 0.5 * jax.random.normal(k3, (rows, dim))
 
   rows = np.asarray(clustered(jax.device_put(jax.random.key(args.seed), device), n + q, d))
+  max_score_bytes = (args.search_max_score_mib << 20) or MAX_SCORE_BYTES
   index = DocIndex(rows[:n], np.arange(n, dtype=np.int64), searcher="exact",
                    mesh=Mesh(np.array([device]), ("data",)), dtype=args.search_dtype,
-                   query_batch_size=q)
+                   query_batch_size=q, max_score_bytes=max_score_bytes)
   queries = rows[n:]  # from the same clusters as the index
   seconds, times = timed(lambda: index.search(queries, args.k), args.repeats)
   flops = 2.0 * n * d * q
   return dict(shape=dict(rows=n, dim=d, queries=q, k=args.k), dtype=args.search_dtype,
+              max_score_bytes=max_score_bytes, block_rows=index.searcher.block_rows,
               precision="highest", seconds=seconds, times=times, flops=flops,
               queries_per_s=q / seconds, flops_per_s=flops / seconds)
 
