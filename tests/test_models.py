@@ -1,5 +1,6 @@
 """Model pieces checked by hand: configs, span enumeration, the marginal loss, input limits."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,4 +153,45 @@ def test_bf16_compute_keeps_the_softmax_probabilities_in_bf16_for_the_backward()
     model = bert.BertModel(tiny_config(dtype=dtype))
     params = jax.jit(model.init)(jax.random.key(0), ids)["params"]
     text = str(jax.make_jaxpr(lambda p: model.apply({"params": p}, ids))(params))
-    assert ("custom_vjp_call" in text) == (dtype == "bfloat16"), dtype
+    assert ("softmax_bf16_backward" in text) == (dtype == "bfloat16"), dtype
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_products_have_dot_generals_values_and_gradients(dtype):
+  """models/matmul.py's `linear` and `attend` (a backward written out so that XLA:CPU runs the
+  weight gradient fast) against lax.dot_general and its own autodiff: values, input and weight
+  gradients, their dtypes; a Dense built with it equals flax's default."""
+  from jax import lax
+
+  from realm_jax.models import matmul
+  rng = np.random.default_rng(0)
+  dt = jnp.dtype(dtype)
+  x = jnp.asarray(rng.normal(size=(3, 5, 8)), dt)
+  w = jnp.asarray(rng.normal(size=(8, 6)), dt)
+  table = jnp.asarray(rng.normal(size=(11, 8)), dt)
+  g = jnp.asarray(rng.normal(size=(3, 5, 6)), dt)
+  gv = jnp.asarray(rng.normal(size=(3, 5, 11)), dt)
+  tol = dict(rtol=1e-6, atol=1e-6) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+  cases = ((matmul.linear, w, g, lambda a, b: lax.dot_general(a, b, (((2,), (0,)), ((), ())))),
+           (matmul.attend, table, gv, lambda a, b: lax.dot_general(a, b, (((2,), (1,)), ((), ())))))
+  for ours, weight, cot, reference in cases:
+    y, vjp = jax.vjp(ours, x, weight)
+    want, want_vjp = jax.vjp(reference, x, weight)
+    assert y.dtype == want.dtype and y.shape == want.shape
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), **tol)
+    for got, ref in zip(vjp(cot), want_vjp(cot)):
+      assert got.dtype == ref.dtype and got.shape == ref.shape
+      np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), **tol)
+  # nn.Dense with it: the same parameters, outputs and gradients as flax's own product.
+  ours = nn.Dense(6, dtype=dt, dot_general=matmul.dense_dot_general)
+  plain = nn.Dense(6, dtype=dt)
+  params = plain.init(jax.random.key(0), x)
+  loss = lambda m: lambda p: (m.apply(p, x).astype(jnp.float32) ** 2).sum()
+  got, ref = jax.grad(loss(ours))(params), jax.grad(loss(plain))(params)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+  # Any other product goes to lax.dot_general as given.
+  batched = (((2,), (2,)), ((0,), (0,)))
+  other = jnp.asarray(rng.normal(size=(3, 4, 8)), dt)
+  np.testing.assert_array_equal(matmul.dense_dot_general(x, other, batched),
+                                lax.dot_general(x, other, batched))

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from realm_jax.models.config import RealmConfig
+from realm_jax.models import matmul
 from realm_jax.models.dropout import Dropout, Rows
 from realm_jax.models.partitioning import batch_split
 
@@ -34,7 +35,8 @@ def _kernel_init(config: RealmConfig):
 
 def dense(config: RealmConfig, features: int, name: str) -> nn.Dense:
   return nn.Dense(features, dtype=config.compute_dtype, param_dtype=jnp.float32,
-                  kernel_init=_kernel_init(config), name=name)
+                  kernel_init=_kernel_init(config), dot_general=matmul.dense_dot_general,
+                  name=name)
 
 
 def layer_norm(eps: float, name: str) -> nn.LayerNorm:
@@ -256,7 +258,9 @@ class BertModel(nn.Module):
 
   def attend(self, hidden: Array) -> Array:
     """Logits over the vocabulary with the word-embedding matrix (tied MLM decoder)."""
-    return self.embeddings.word_embeddings.attend(hidden)
+    table = self.embeddings.word_embeddings.embedding
+    dtype = self.config.compute_dtype
+    return matmul.attend(hidden.astype(dtype), table.astype(dtype))
 
 
 def mean_pool(sequence: Array, attention_mask: Array) -> Array:

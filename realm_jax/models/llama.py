@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from realm_jax.models import flash
+from realm_jax.models import flash, matmul
 
 Array = jax.Array
 
@@ -75,7 +75,7 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
 def _dense(c, features: int, name: str, bias: bool = False, zero: bool = False) -> nn.Dense:
   init = nn.initializers.zeros if zero else nn.initializers.normal(c.initializer_range)
   return nn.Dense(features, use_bias=bias, dtype=c.compute_dtype, param_dtype=jnp.float32,
-                  kernel_init=init, name=name)
+                  kernel_init=init, dot_general=matmul.dense_dot_general, name=name)
 
 
 class GroupedQueryAttention(nn.Module):

@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from realm_jax.models import flash
+from realm_jax.models import flash, matmul
 from realm_jax.models.llama import GroupedQueryAttention, RMSNorm, SwiGLU
 from realm_jax.models.partitioning import batch_split
 
@@ -138,7 +138,8 @@ def cca_layers(num_layers: int, start: int = 6, every: int = 3) -> tuple[int, ..
 
 def _dense(c: RetroConfig, features: int, name: str) -> nn.Dense:
   return nn.Dense(features, dtype=c.compute_dtype, param_dtype=jnp.float32,
-                  kernel_init=nn.initializers.normal(c.initializer_range), name=name)
+                  kernel_init=nn.initializers.normal(c.initializer_range),
+                  dot_general=matmul.dense_dot_general, name=name)
 
 
 def _layer_norm(c: RetroConfig, name: str) -> nn.LayerNorm:
@@ -269,7 +270,7 @@ class CrossAttention(nn.Module):
     ctx = _merge(_attend(q, k, v, bias + jnp.where(mask, 0.0, _NEG)))    # [..., Q, H]
     init = nn.initializers.zeros if self.zero_out else nn.initializers.normal(c.initializer_range)
     out = nn.Dense(x.shape[-1], dtype=c.compute_dtype, param_dtype=jnp.float32,
-                   kernel_init=init, name="out")(ctx)
+                   kernel_init=init, dot_general=matmul.dense_dot_general, name="out")(ctx)
     return jnp.where(key_mask.any(-1)[..., None, None], out, 0)
 
 
@@ -475,10 +476,11 @@ class RetroModel(nn.Module):
       encoded = None if encoded is None else batch_split(encoded)
     x = _decoder_norm(c, "ln_f")(x).astype(c.compute_dtype)
     if c.tie_embeddings:
-      logits = wte.attend(x)
+      logits = matmul.attend(x, wte.embedding.astype(c.compute_dtype))
     else:
       logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
-                        param_dtype=jnp.float32, kernel_init=init, name="lm_head")(x)
+                        param_dtype=jnp.float32, kernel_init=init,
+                        dot_general=matmul.dense_dot_general, name="lm_head")(x)
     logits = logits.astype(jnp.float32)
     return (logits, hidden) if return_hidden else logits
 
