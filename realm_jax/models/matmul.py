@@ -26,45 +26,37 @@ def _leading(x: Array) -> tuple[int, ...]:
   return tuple(range(x.ndim - 1))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def linear(x: Array, w: Array, precision=None) -> Array:
-  """x [..., H] @ w [H, F] -> [..., F]."""
-  return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _product(x: Array, w: Array, axis: int, precision) -> Array:
+  """x [..., H] against the 2-D `w`'s axis `axis` (0: w is [H, F]; 1: w is [F, H])."""
+  return lax.dot_general(x, w, (((x.ndim - 1,), (axis,)), ((), ())), precision=precision)
 
 
-def _linear_fwd(x, w, precision):
-  return linear(x, w, precision), (x, w)
+def _product_fwd(x, w, axis, precision):
+  return _product(x, w, axis, precision), (x, w)
 
 
-def _linear_bwd(precision, residuals, g):
+def _product_bwd(axis, precision, residuals, g):
   x, w = residuals
-  dx = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), precision=precision)
-  dw = lax.dot_general(x, g, ((_leading(x), _leading(g)), ((), ())), precision=precision)
+  dx = lax.dot_general(g, w, (((g.ndim - 1,), (1 - axis,)), ((), ())), precision=precision)
+  # The weight's gradient: one product over every leading axis of x and g.
+  pair = (x, g) if axis == 0 else (g, x)
+  dw = lax.dot_general(*pair, ((_leading(x), _leading(g)), ((), ())), precision=precision)
   return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-linear.defvjp(_linear_fwd, _linear_bwd)
+_product.defvjp(_product_fwd, _product_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def linear(x: Array, w: Array, precision=None) -> Array:
+  """x [..., H] @ w [H, F] -> [..., F]."""
+  return _product(x, w, 0, precision)
+
+
 def attend(x: Array, table: Array, precision=None) -> Array:
   """x [..., H] @ table [V, H].T -> [..., V]: scores against every row of an embedding table
   (a tied output layer)."""
-  return lax.dot_general(x, table, (((x.ndim - 1,), (1,)), ((), ())), precision=precision)
-
-
-def _attend_fwd(x, table, precision):
-  return attend(x, table, precision), (x, table)
-
-
-def _attend_bwd(precision, residuals, g):
-  x, table = residuals
-  dx = lax.dot_general(g, table, (((g.ndim - 1,), (0,)), ((), ())), precision=precision)
-  dtable = lax.dot_general(g, x, ((_leading(g), _leading(x)), ((), ())), precision=precision)
-  return dx.astype(x.dtype), dtable.astype(table.dtype)
-
-
-attend.defvjp(_attend_fwd, _attend_bwd)
+  return _product(x, table, 1, precision)
 
 
 def dense_dot_general(lhs: Array, rhs: Array, dimension_numbers, precision=None,
