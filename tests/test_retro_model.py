@@ -177,6 +177,21 @@ def test_documents_are_kept_apart_in_attention_and_cca(model):
 def test_token_nll_and_the_papers_cca_layers():
   logits = jnp.log(jnp.array([[0.5, 0.25, 0.25]]))
   np.testing.assert_allclose(token_nll(logits, jnp.array([1])), [np.log(4)], rtol=1e-6)
+  # Against float64 numpy over [B, L, V] (one row shifted by 1e4: no overflow), and its gradient
+  # softmax - one_hot; a target past the vocabulary (padding) gives a finite value.
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 3, 7)) * 3
+  x[1, 2] += 1e4
+  x = x.astype(np.float32).astype(np.float64)  # the reference reads what token_nll reads
+  t = rng.integers(0, 7, (2, 3))
+  shifted = x - x.max(-1, keepdims=True)
+  logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+  want = -np.take_along_axis(logp, t[..., None], -1)[..., 0]
+  got = token_nll(jnp.asarray(x, jnp.float32), jnp.asarray(t))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  grad = jax.grad(lambda v: token_nll(v, jnp.asarray(t)).sum())(jnp.asarray(x, jnp.float32))
+  np.testing.assert_allclose(grad, np.exp(logp) - np.eye(7)[t], atol=1e-6)
+  assert np.isfinite(token_nll(jnp.asarray(x, jnp.float32), jnp.full((2, 3), 7))).all()
   assert cca_layers(12) == (6, 9, 12) and cca_layers(32) == tuple(range(6, 33, 3))
   assert cca_layers(4) == (4,)
 

@@ -489,9 +489,14 @@ def token_nll(logits: Array, targets: Array) -> Array:
   """-log p(target) per position: logits [..., V] float32, targets [...] int -> [...] float32.
   A target outside the vocabulary (the padding id of a tokenizer without a spare special token)
   gets a finite value of no meaning: the caller masks it."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  logits = logits.astype(jnp.float32)
   targets = jnp.where(targets < logits.shape[-1], targets, 0)
-  return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  # log-sum-exp minus the target's logit, both taken from the row's maximum (exact for logits far
+  # from 0), rather than log_softmax's row picked: the same value, and on XLA:CPU a [B, L, V]
+  # log_softmax's gradient took 2.1 s where this takes 1.2 (SmolLM2's output layer, B 8 x 256).
+  top = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  return jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1)) - (picked - top)
 
 
 def neighbour_shape(config: RetroConfig, length: int) -> tuple[int, int, int]:
