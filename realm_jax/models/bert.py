@@ -12,8 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from realm_jax.models.config import RealmConfig
 from realm_jax.models import matmul
+from realm_jax.models.config import RealmConfig
 from realm_jax.models.dropout import Dropout, Rows
 from realm_jax.models.partitioning import batch_split
 
