@@ -21,7 +21,8 @@ side by side in one run on this machine, and what retrieval costs a RETROfit:
 the 98 MB weights (an accelerator host that only takes a small working tree): --write_shapes writes
 a Hugging Face directory holding only SmolLM2's config.json, tokenizer.json (3.5 MB) and a shard
 index naming no shards, and --decoder names it. --dtype=bfloat16 computes in bfloat16 on both
-sides (realm_jax: the config's dtype, float32 parameters; PyTorch: torch.autocast). On a GPU, PyTorch runs on it ("cuda").
+sides (realm_jax: the config's dtype, float32 parameters; PyTorch: torch.autocast). On a GPU,
+PyTorch runs on it ("cuda").
 
 Each figure is the median of --repeats timed calls after one warm-up call (compilation), whose
 seconds are kept too (`*_first_call_s`). Both frameworks use every core
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import time
@@ -79,6 +79,7 @@ def main():
 
   from realm_jax.checkpoints import decoder
   from realm_jax.configs.retro import get_config
+  from realm_jax.io_utils import write_json
   from realm_jax.models.retro import RetroConfig, RetroModel
   from realm_jax.text.lm_tokenizer import SMOLLM2, smollm2_path
   from realm_jax.train.lm_step import init_params, model_config, optimizer, train_step
@@ -101,25 +102,21 @@ def main():
            "target_bytes": np.full((b, length), 4.6, np.float32)}
   cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
               if line.startswith("model name")), "?")
-  where = (f"jax on {jax.devices()[0].device_kind}, PyTorch on "
-           f"{torch.cuda.get_device_name() if device == 'cuda' else 'the CPU'}")
+  jax_device = jax.devices()[0].device_kind
+  torch_device = torch.cuda.get_device_name() if device == "cuda" else "the CPU"
   results = dict(decoder=source, random_weights=args.random_weights, dtype=args.dtype,
                  batch=b, length=length, repeats=args.repeats, cpu=cpu, cores=os.cpu_count(),
-                 jax_device=jax.devices()[0].device_kind, torch_device=where.split(", ")[1],
-                 jax=jax.__version__, torch=torch.__version__,
-                 transformers=transformers.__version__)
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+                 jax_device=jax_device, torch_device=torch_device, jax=jax.__version__,
+                 torch=torch.__version__, transformers=transformers.__version__)
 
   def measure(name: str, fn):
-    """Times `fn` into results[name] (and its first call, compilation included), prints it and
-    writes --out again, so that a run stopped later keeps what it measured."""
-    results[name], results[name.replace("_s", "_first_call_s")] = _median_seconds(
-        fn, args.repeats)
-    print(f"{name}: {results[name]:.4f} s (first call "
-          f"{results[name.replace('_s', '_first_call_s')]:.1f} s)", flush=True)
-    with open(args.out + ".tmp", "w") as f:
-      json.dump(results, f, indent=1)
-    os.replace(args.out + ".tmp", args.out)
+    """Times `fn` into results[name] (and its first call, compilation included, into
+    results[<name>_first_call_s]), prints it and writes --out again, so that a run stopped later
+    keeps what it measured."""
+    first = name.removesuffix("_s") + "_first_call_s"
+    results[name], results[first] = _median_seconds(fn, args.repeats)
+    print(f"{name}: {results[name]:.4f} s (first call {results[first]:.1f} s)", flush=True)
+    write_json(args.out, results)
 
   # realm_jax: forward, full training step, RETROfit step.
   plain = RetroModel(RetroConfig(**settings, dtype=args.dtype))
@@ -207,7 +204,8 @@ def main():
   rows = [("forward", "jax_forward_s", "torch_forward_s"),
           ("training step (every weight)", "jax_train_step_s", "torch_train_step_s")]
   print(f"\n{source}{' (random weights)' if args.random_weights else ''}, B {b} x L {length} "
-        f"tokens, {args.dtype}, {os.cpu_count()} cores ({cpu}); {where}\n")
+        f"tokens, {args.dtype}, {os.cpu_count()} cores ({cpu}); jax on {jax_device}, PyTorch on "
+        f"{torch_device}\n")
   print("| what | realm_jax tokens/s | PyTorch tokens/s | realm_jax / PyTorch |")
   print("| --- | --- | --- | --- |")
   for name, ours, theirs in rows:
@@ -226,6 +224,7 @@ def write_shapes(directory: str):
   """SmolLM2's config.json (from the GGUF's metadata) and tokenizer.json (its vocabulary and
   merges): a Hugging Face directory without weights, for --random_weights elsewhere."""
   from realm_jax.checkpoints import decoder
+  from realm_jax.io_utils import write_json
   from realm_jax.text.lm_tokenizer import SMOLLM2
 
   s = decoder.decoder_settings(SMOLLM2)
@@ -246,12 +245,8 @@ def write_shapes(directory: str):
   # takes the directory; reading its weights fails on the first one missing.
   index = {"metadata": {"note": "shapes only, no weights: benchmarks/smollm2.py --write_shapes"},
            "weight_map": {}}
-  os.makedirs(directory, exist_ok=True)
-  for name, value in (("config.json", config), ("model.safetensors.index.json", index)):
-    path = os.path.join(directory, name)
-    with open(path + ".tmp", "w") as f:
-      json.dump(value, f, indent=1)
-    os.replace(path + ".tmp", path)
+  write_json(os.path.join(directory, "config.json"), config)
+  write_json(os.path.join(directory, "model.safetensors.index.json"), index)
   tokenizer.save_json(os.path.join(directory, "tokenizer.json"))
   print(f"wrote {directory}: config.json, tokenizer.json, model.safetensors.index.json")
 

@@ -183,7 +183,7 @@ def test_weight_products_have_dot_generals_values_and_gradients(dtype):
       assert got.dtype == ref.dtype and got.shape == ref.shape
       np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), **tol)
   # nn.Dense with it: the same parameters, outputs and gradients as flax's own product.
-  ours = nn.Dense(6, dtype=dt, dot_general=matmul.dense_dot_general)
+  ours = matmul.Dense(6, dtype=dt)
   plain = nn.Dense(6, dtype=dt)
   params = plain.init(jax.random.key(0), x)
   loss = lambda m: lambda p: (m.apply(p, x).astype(jnp.float32) ** 2).sum()

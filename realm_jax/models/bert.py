@@ -34,9 +34,8 @@ def _kernel_init(config: RealmConfig):
 
 
 def dense(config: RealmConfig, features: int, name: str) -> nn.Dense:
-  return nn.Dense(features, dtype=config.compute_dtype, param_dtype=jnp.float32,
-                  kernel_init=_kernel_init(config), dot_general=matmul.dense_dot_general,
-                  name=name)
+  return matmul.Dense(features, dtype=config.compute_dtype, param_dtype=jnp.float32,
+                      kernel_init=_kernel_init(config), name=name)
 
 
 def layer_norm(eps: float, name: str) -> nn.LayerNorm:

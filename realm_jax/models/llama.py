@@ -74,8 +74,8 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
 
 def _dense(c, features: int, name: str, bias: bool = False, zero: bool = False) -> nn.Dense:
   init = nn.initializers.zeros if zero else nn.initializers.normal(c.initializer_range)
-  return nn.Dense(features, use_bias=bias, dtype=c.compute_dtype, param_dtype=jnp.float32,
-                  kernel_init=init, dot_general=matmul.dense_dot_general, name=name)
+  return matmul.Dense(features, use_bias=bias, dtype=c.compute_dtype, param_dtype=jnp.float32,
+                      kernel_init=init, name=name)
 
 
 class GroupedQueryAttention(nn.Module):

