@@ -257,9 +257,17 @@ def test_evaluate_systems_against_independent_computation(run, tmp_path):
       if field:
         a, b = ev[0]["span"]["start"], ev[0]["span"]["end"]
         assert corpus[row][field][a:b] in p["answer"]
+    # Where the errors are: recounted from the predictions' flags; a readable answer is one in
+    # a read block, and every right answer the reader could select was readable.
+    e = results[name]["errors"]
+    assert e["answer_in_read"] == sum(p["answer_in_read"] for p in preds)
+    assert e["answer_readable"] == sum(p["answer_readable"] for p in preds) <= e["answer_in_read"]
+    assert e["right_when_readable"] == sum(p["correct"] and p["answer_readable"] for p in preds)
+    assert all(p["answer_in_read"] for p in preds if p["answer_readable"])
   saved = json.loads(open(tmp_path / "results.json").read())
   assert saved["bm25"]["em"] == pytest.approx(results["bm25"]["em"])
   assert "| finetuned |" in report.format_table(results, ks)
+  assert "reader right when readable" in report.format_table(results, ks)
   # Each system minus dense_untuned, question by question: the differences of the figures above.
   assert "vs_dense_untuned" not in results["dense_untuned"]
   for name in ("finetuned", "bm25"):

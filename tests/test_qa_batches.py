@@ -176,6 +176,22 @@ def test_regex_gold_spans_end_inside_the_cut_body(batcher, tok):
     assert [tok.decode(one["input_ids"][s:e + 1]) for s, e in spans] == [want], answer
 
 
+def test_an_answer_past_the_cut_is_in_the_block_but_not_readable(batcher, tok):
+  """answer_readable: a gold span in what the reader input keeps. The body cut after "charles
+  robert" (as above): "Robert" is readable, "1859" is in the block (recall counts it) but past the
+  cut, an answer wider than max_span_width is not selectable, a block without it adds nothing."""
+  cut = QaBatcher(batcher.corpus, tok, question_length=4, reader_length=9, max_span_width=6)
+  ask = lambda answers, kind="text": {"question": "who", "answers": answers, "answer_type": kind}
+  assert cut.answer_readable(ask(["Robert"]), [1, 0]) and cut.any_answer_in(ask(["Robert"]), [0])
+  assert cut.any_answer_in(ask(["1859"]), [0]) and not cut.answer_readable(ask(["1859"]), [0, -1])
+  assert not cut.answer_readable(ask([r"18[0-9]{2}"], "regex"), [0])
+  assert not cut.answer_readable(ask(["Robert"]), [1, 2, -1])
+  # The whole block fits the fixture's 64 pieces: "1859" is readable there, the long answer not.
+  assert batcher.answer_readable(ask(["1859"]), [2, 0])
+  assert batcher.any_answer_in(ask(["Charles Robert Darwin was an English naturalist"]), [0])
+  assert not batcher.answer_readable(ask(["Charles Robert Darwin was an English naturalist"]), [0])
+
+
 def test_train_batch_has_answer_matches_recall_definition(batcher, tok):
   qs = [{"question": "highest mountain", "answers": ["Mount Everest"], "answer_type": "text"},
         {"question": "coffee with milk", "answers": ["cafe au lait"], "answer_type": "text"},

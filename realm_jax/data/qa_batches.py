@@ -344,3 +344,14 @@ class QaBatcher:
   def any_answer_in(self, question: dict, rows: Sequence[int]) -> bool:
     answers, kind = answers_of(question)
     return any(self.has_answer(r, answers, kind) for r in rows if r >= 0)
+
+  def answer_readable(self, question: dict, rows: Sequence[int]) -> bool:
+    """Whether the reader can point at an answer in one of `rows` read for `question`: a gold
+    span (`gold_spans`) in what its input keeps of the block (the body cut to reader_length), no
+    longer than max_span_width. `any_answer_in` looks at the whole block: an answer past the cut
+    is in the block but not readable."""
+    answers, kind = answers_of(question)
+    q_ids = self.question_ids(question["question"])
+    pieces = answer_pieces(self.tokenizer, answers) if kind == "text" else None
+    return any(self.gold_spans(r, self.layout(q_ids, r), answers, kind, pieces)
+               for r in rows if r >= 0 and self.has_answer(r, answers, kind))

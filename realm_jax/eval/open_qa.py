@@ -45,7 +45,8 @@ def evaluate_open_qa(qa: OpenQa, questions: Sequence[dict], *, ks: Sequence[int]
   `first_hit` the rank of each question's first retrieved block holding an answer (1-based; 0: none
   of the max(ks, reader_blocks) retrieved: recall@k of a question is 0 < first_hit <= k), each
   prediction with the gold `answers`, `correct`, `answer_in_read` (an answer occurs in a read
-  block) and its `first_hit`. read=False: retrieval only (em None, no predictions).
+  block), `answer_readable` (the reader can select one there: `QaBatcher.answer_readable`) and
+  its `first_hit`. read=False: retrieval only (em None, no predictions).
   """
   from tqdm.auto import tqdm
   check_ks(ks, len(qa.corpus))
@@ -76,6 +77,8 @@ def evaluate_open_qa(qa: OpenQa, questions: Sequence[dict], *, ks: Sequence[int]
     p["answers"] = answers_of(q)[0]
     p["correct"] = bool(is_correct(p["answer"], q))
     p["answer_in_read"] = bool(hits[i, :qa.reader_blocks].any())
+    p["answer_readable"] = p["answer_in_read"] and qa.batcher.answer_readable(
+        q, rows[i, :qa.reader_blocks])
     p["first_hit"] = int(first_hit[i])
     p["retrieved"] = [int(b) for b in qa.corpus.block_ids[rows[i][rows[i] >= 0]]]
     correct += p["correct"]

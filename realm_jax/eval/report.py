@@ -133,6 +133,8 @@ def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: 
     results[name]["em_se"] = None if got["em"] is None else standard_error(got["em"], got["count"])
     results[name]["recall_se"] = {k: standard_error(v, got["count"])
                                   for k, v in got["recall"].items()}
+    if read:
+      results[name]["errors"] = error_breakdown(got["predictions"])
     logging.info("%s: EM %s, recall %s (%d questions, %.0f s)", name, got["em"], got["recall"],
                  got["count"], got["seconds"])
     if out_dir and read:
@@ -147,6 +149,22 @@ def evaluate_systems(setup, questions, systems=SYSTEMS, ks=(1, 5, 20), out_dir: 
   if out_dir:
     io_utils.write_json(os.path.join(out_dir, "results.json"), results)
   return results
+
+
+def error_breakdown(predictions) -> dict:
+  """Where a read system's errors are: of the questions, how many have an answer in the blocks
+  read (`answer_in_read`), how many of those the reader can select (`answer_readable`: a span of
+  its input, not past the block's cut), and how many of those it answers right; counts and
+  percentages (`right_when_readable` of the readable ones, None when there are none)."""
+  n = len(predictions)
+  in_read = sum(bool(p["answer_in_read"]) for p in predictions)
+  readable = [p for p in predictions if p.get("answer_readable", False)]
+  right = sum(bool(p["correct"]) for p in readable)
+  pct = lambda a, b: 100.0 * a / b if b else None
+  return {"questions": n, "answer_in_read": in_read, "answer_readable": len(readable),
+          "right_when_readable": right, "in_read_percent": pct(in_read, n),
+          "readable_percent": pct(len(readable), n),
+          "right_when_readable_percent": pct(right, len(readable))}
 
 
 def run_params(setup, runs: dict) -> dict:
@@ -217,6 +235,15 @@ def format_table(results: dict, ks=(1, 5, 20)) -> str:
     recall = " | ".join(se(r["recall"][k], errors.get(k)) for k in ks)
     em = "-" if r["em"] is None else se(r["em"], r.get("em_se"))
     lines.append(f"| {name} | {r['count']} | {em} | {recall} |")
+  errors = [(name, r["errors"]) for name, r in results.items() if r.get("errors")]
+  if errors:
+    pc = lambda v: "-" if v is None else f"{v:.1f}%"
+    lines += ["", "| system | answer in the blocks read | readable there (not past the cut) | "
+              "reader right when readable |", "|---|---|---|---|"]
+    for name, e in errors:
+      lines.append(f"| {name} | {e['answer_in_read']} ({pc(e['in_read_percent'])}) | "
+                   f"{e['answer_readable']} ({pc(e['readable_percent'])}) | "
+                   f"{e['right_when_readable']} ({pc(e['right_when_readable_percent'])}) |")
   paired = [(name, key.removeprefix("vs_"), r[key]) for name, r in results.items()
             for key in r if key.startswith("vs_")]
   if paired:
