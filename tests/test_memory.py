@@ -126,6 +126,34 @@ def test_retro_estimate_counts_the_state_and_under_fsdp_the_gathered_trained_wei
   assert memory.retro_estimate(c, 8, platform="tpu")["parts"]["gathered weights"] == 4 * trained
 
 
+def test_retro_estimate_of_a_decoder_memory_retrofit_is_that_model():
+  """With `model.cca_memory=decoder` (CCA reads the decoder's own states of the neighbours: no
+  neighbour encoder, CCA shaped like the decoder's attention) the estimate counts that model's
+  parameters, as the model itself has them, and the neighbours' activations through the decoder:
+  by hand for the tiny Llama RETRO (1 sequence of 64 tokens a device, 2 neighbours of 32 tokens per
+  chunk of 16, width 32, 2 heads, float32, CCA at layer 2): each token of the neighbours keeps the
+  state its 1 CCA layer reads (32 x 4 bytes) and one layer's working set, (34 x 32 + 5 x 2 x 32)
+  x 2 bytes; the encoder's term it replaces is 1 layer of that working set with no state kept."""
+  import jax
+  from realm_jax.configs import retro
+  from realm_jax.models.retro import RetroConfig, RetroModel
+  c = retro.get_config("tiny")
+  encoder = memory.retro_estimate(c, 8, platform="tpu")
+  c.model.cca_memory = "decoder"
+  est = memory.retro_estimate(c, 8, platform="tpu")
+  model = RetroConfig(vocab_size=30522, num_layers=2, hidden_size=32, num_heads=2, mlp_size=64,
+                      max_length=64, family="llama", num_kv_heads=1, chunk_length=16,
+                      cca_layers=(2,), encoder_layers=1, num_neighbours=2, cca_memory="decoder")
+  shapes = jax.eval_shape(lambda t, n: RetroModel(model).init(jax.random.key(0), t, n),
+                          jax.ShapeDtypeStruct((1, 64), "int32"),
+                          jax.ShapeDtypeStruct((1, 4, 2, 32), "int32"))
+  count = sum(x.size for x in jax.tree.leaves(shapes))
+  assert est["params"]["decoder"] == count != encoder["params"]["decoder"]
+  tokens, per = 4 * 2 * 32, (34 * 32 + 5 * 2 * 32) * 2
+  assert (est["parts"]["activations"] - encoder["parts"]["activations"]
+          == tokens * (32 * 4 + per) - tokens * per)
+
+
 def test_with_layers_recomputed_the_estimate_adds_every_layers_dropout_masks():
   """Tiny REALM over 8 devices (1 example a device, 4 candidates; width 32, 2 heads, 2 layers),
   layers recomputed, dropout on: one byte a mask element, by hand, per layer and token the

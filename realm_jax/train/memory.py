@@ -217,7 +217,7 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None, *,
     model = RetroConfig(**fields, chunk_length=m, cca_layers=tuple(c.cca_layers) or cca_layers(
         fields["num_layers"], c.cca_start, c.cca_every), encoder_layers=c.encoder_layers,
                         encoder_size=c.encoder_size, num_neighbours=k, dtype=c.dtype,
-                        remat=c.remat)
+                        remat=c.remat, cca_memory=c.get("cca_memory", "encoder"))
   mc = model
   tokens = jax.ShapeDtypeStruct((1, length), jax.numpy.int32)
   neighbours = jax.ShapeDtypeStruct((1, db.seq_chunks, k, 2 * m), jax.numpy.int32)
@@ -239,10 +239,17 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None, *,
       return n_tokens * (count * width * act + per)
     return n_tokens * count * per
 
+  neighbour_tokens = b * length * 2 * k
+  if mc.cca_memory == "decoder":
+    # The neighbours run through the frozen decoder's layers up to the last CCA layer, with no
+    # gradient through them: kept are the states each CCA layer reads (its keys' and values'
+    # inputs), plus one layer's working set at a time.
+    per = (34 * mc.hidden_size + 5 * mc.num_heads * 2 * m) * act / 2
+    neighbour = neighbour_tokens * (len(mc.cca_layers) * mc.hidden_size * act + per)
+  else:
+    neighbour = layers(neighbour_tokens, mc.encoder_width, mc.num_heads, 2 * m, c.encoder_layers)
   activations = (layers(b * length, mc.hidden_size, mc.num_heads, length, mc.num_layers)
-                 + layers(b * length * 2 * k, mc.encoder_width, mc.num_heads, 2 * m,
-                          c.encoder_layers)
-                 + 2 * b * length * vocab_size * 4)   # float32 logits and their gradient
+                 + neighbour + 2 * b * length * vocab_size * 4)  # float32 logits and their gradient
   activations /= axes["tensor"]  # heads, feed-forward width and vocabulary split over "tensor"
   # What the TPU compiler holds besides (docs/tpu.md, 2026-11-29): no whole float32 gradient or
   # update buffer (UPDATE_BUFFERS: counting them put the estimate at 1.34-1.58x the compiler's
