@@ -154,6 +154,23 @@ def test_retro_estimate_of_a_decoder_memory_retrofit_is_that_model():
           == tokens * (32 * 4 + per) - tokens * per)
 
 
+def test_a_frozen_decoders_layers_below_the_first_cca_keep_no_activations():
+  """With the decoder frozen, no gradient reaches the layers below the first CCA layer: by hand for
+  the tiny RETRO (CCA at layer 2 of 2; 64 tokens a device, width 32, 2 heads, float32, nothing
+  recomputed), one layer's activations fewer, (34 x 32 + 5 x 2 x 64) x 2 bytes a token; with CCA
+  at layer 1, none fewer."""
+  from realm_jax.configs import retro
+  c = retro.get_config("tiny")
+  act = lambda: memory.retro_estimate(c, 8, platform="tpu")["parts"]["activations"]
+  trained = act()
+  c.freeze_decoder = True
+  assert trained - act() == 64 * (34 * 32 + 5 * 2 * 64) * 2
+  c.model.cca_layers = (1,)
+  frozen = act()
+  c.freeze_decoder = False
+  assert act() == frozen
+
+
 def test_with_layers_recomputed_the_estimate_adds_every_layers_dropout_masks():
   """Tiny REALM over 8 devices (1 example a device, 4 candidates; width 32, 2 heads, 2 layers),
   layers recomputed, dropout on: one byte a mask element, by hand, per layer and token the

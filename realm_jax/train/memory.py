@@ -248,7 +248,10 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None, *,
     neighbour = neighbour_tokens * (len(mc.cca_layers) * mc.hidden_size * act + per)
   else:
     neighbour = layers(neighbour_tokens, mc.encoder_width, mc.num_heads, 2 * m, c.encoder_layers)
-  activations = (layers(b * length, mc.hidden_size, mc.num_heads, length, mc.num_layers)
+  # A frozen decoder's layers below the first CCA layer have nothing trained at or before them:
+  # no gradient reaches them, so they keep no activations for the backward pass.
+  below = min(mc.cca_layers) - 1 if config.freeze_decoder and mc.cca_layers else 0
+  activations = (layers(b * length, mc.hidden_size, mc.num_heads, length, mc.num_layers - below)
                  + neighbour + 2 * b * length * vocab_size * 4)  # float32 logits and their gradient
   activations /= axes["tensor"]  # heads, feed-forward width and vocabulary split over "tensor"
   # What the TPU compiler holds besides (docs/tpu.md, 2026-11-29): no whole float32 gradient or
