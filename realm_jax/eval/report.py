@@ -158,7 +158,7 @@ def error_breakdown(predictions) -> dict:
   percentages (`right_when_readable` of the readable ones, None when there are none)."""
   n = len(predictions)
   in_read = sum(bool(p["answer_in_read"]) for p in predictions)
-  readable = [p for p in predictions if p.get("answer_readable", False)]
+  readable = [p for p in predictions if p["answer_readable"]]
   right = sum(bool(p["correct"]) for p in readable)
   pct = lambda a, b: 100.0 * a / b if b else None
   return {"questions": n, "answer_in_read": in_read, "answer_readable": len(readable),

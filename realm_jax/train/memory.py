@@ -233,9 +233,11 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None, *,
   b = -(-config.batch_size // (axes["data"] * axes["fsdp"]))
   act = 2 if c.dtype == "bfloat16" else 4
 
-  def layers(n_tokens, width, heads, seq, count):
+  def layers(n_tokens, width, heads, seq, count, remat=c.remat):
+    """Bytes kept by `count` layers: every layer's working set, or (recomputed, or with no
+    gradient through them) each layer's input and one layer's working set at a time."""
     per = (34 * width + 5 * heads * seq) * act / 2
-    if c.remat:
+    if remat:
       return n_tokens * (count * width * act + per)
     return n_tokens * count * per
 
@@ -244,8 +246,8 @@ def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None, *,
     # The neighbours run through the frozen decoder's layers up to the last CCA layer, with no
     # gradient through them: kept are the states each CCA layer reads (its keys' and values'
     # inputs), plus one layer's working set at a time.
-    per = (34 * mc.hidden_size + 5 * mc.num_heads * 2 * m) * act / 2
-    neighbour = neighbour_tokens * (len(mc.cca_layers) * mc.hidden_size * act + per)
+    neighbour = layers(neighbour_tokens, mc.hidden_size, mc.num_heads, 2 * m,
+                       len(mc.cca_layers), remat=True)
   else:
     neighbour = layers(neighbour_tokens, mc.encoder_width, mc.num_heads, 2 * m, c.encoder_layers)
   # A frozen decoder's layers below the first CCA layer have nothing trained at or before them:
