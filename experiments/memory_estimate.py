@@ -17,6 +17,7 @@ import math
 from absl import flags
 
 from realm_jax import cli
+from realm_jax.compile.steps import retro_model_config
 from realm_jax.train import memory
 
 _CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/pretrain.py:<variant> "
@@ -46,7 +47,7 @@ def main(argv):
   if kind == "retro":
     if not _DEVICES.value:
       cli.fail("--devices is needed for a RETRO config (e.g. --devices=8).")
-    est = memory.retro_estimate(c, _DEVICES.value, platform=platform)
+    est = memory.retro_estimate(c, _DEVICES.value, retro_model_config(c), platform=platform)
     print(memory.format_retro_estimate(
         est, _CAPACITY.value, f"RETRO {c.variant} on {platform}: memory per device (estimate)"))
     return

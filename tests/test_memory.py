@@ -102,6 +102,12 @@ def test_the_runs_it_estimates_are_known_by_their_configs():
   assert memory.run_kind(retro.get_config("tiny")) == "retro"
 
 
+def retro_estimate(c, devices, platform):
+  """The estimate of the model a RETRO run of `c` builds (the trainer's own builder)."""
+  from realm_jax.compile.steps import retro_model_config
+  return memory.retro_estimate(c, devices, retro_model_config(c), platform=platform)
+
+
 def test_retro_estimate_counts_the_state_and_under_fsdp_the_gathered_trained_weights():
   """By hand for the tiny RETRO (float32): 4 bytes a parameter held, 8 for AdamW's moments of the
   trained ones, on a TPU no float32 gradient or update buffer (its compiled step holds neither);
@@ -109,21 +115,21 @@ def test_retro_estimate_counts_the_state_and_under_fsdp_the_gathered_trained_wei
   decoder has no moments and is not gathered."""
   from realm_jax.configs import retro
   c = retro.get_config("tiny")
-  whole = memory.retro_estimate(c, 8, platform="tpu")  # data parallelism: all of it everywhere
+  whole = retro_estimate(c, 8, platform="tpu")  # data parallelism: all of it everywhere
   total = whole["params"]["decoder"]
   assert whole["parts"]["parameters"] == 4 * total
   assert whole["parts"]["optimizer state"] == 8 * total
   assert whole["parts"]["gathered weights"] == 0 and "gradients" not in whole["parts"]
   c.mesh = "data=2,fsdp=4"
-  split = memory.retro_estimate(c, 8, platform="tpu")["parts"]
+  split = retro_estimate(c, 8, platform="tpu")["parts"]
   assert split["gathered weights"] == 4 * total
   assert split["parameters"] < 4 * total / 2   # most of it split 4 ways along "embed"
   c.freeze_decoder = True
   c.mesh = "data=-1"
-  trained = memory.retro_estimate(c, 8, platform="tpu")["parts"]["optimizer state"] // 8
+  trained = retro_estimate(c, 8, platform="tpu")["parts"]["optimizer state"] // 8
   assert 0 < trained < total / 2
   c.mesh = "data=2,fsdp=4"
-  assert memory.retro_estimate(c, 8, platform="tpu")["parts"]["gathered weights"] == 4 * trained
+  assert retro_estimate(c, 8, platform="tpu")["parts"]["gathered weights"] == 4 * trained
 
 
 def test_retro_estimate_of_a_decoder_memory_retrofit_is_that_model():
@@ -138,9 +144,9 @@ def test_retro_estimate_of_a_decoder_memory_retrofit_is_that_model():
   from realm_jax.configs import retro
   from realm_jax.models.retro import RetroConfig, RetroModel
   c = retro.get_config("tiny")
-  encoder = memory.retro_estimate(c, 8, platform="tpu")
+  encoder = retro_estimate(c, 8, platform="tpu")
   c.model.cca_memory = "decoder"
-  est = memory.retro_estimate(c, 8, platform="tpu")
+  est = retro_estimate(c, 8, platform="tpu")
   model = RetroConfig(vocab_size=30522, num_layers=2, hidden_size=32, num_heads=2, mlp_size=64,
                       max_length=64, family="llama", num_kv_heads=1, chunk_length=16,
                       cca_layers=(2,), encoder_layers=1, num_neighbours=2, cca_memory="decoder")
@@ -161,7 +167,7 @@ def test_a_frozen_decoders_layers_below_the_first_cca_keep_no_activations():
   at layer 1, none fewer."""
   from realm_jax.configs import retro
   c = retro.get_config("tiny")
-  act = lambda: memory.retro_estimate(c, 8, platform="tpu")["parts"]["activations"]
+  act = lambda: retro_estimate(c, 8, platform="tpu")["parts"]["activations"]
   trained = act()
   c.freeze_decoder = True
   assert trained - act() == 64 * (34 * 32 + 5 * 2 * 64) * 2
@@ -208,7 +214,7 @@ def test_on_the_cpu_and_gpu_the_estimate_adds_a_float32_gradient_and_update_of_w
   else:
     c = retro.get_config("tiny")
     c.freeze_decoder = True
-    est = lambda platform: memory.retro_estimate(c, 8, platform=platform)
+    est = lambda platform: retro_estimate(c, 8, platform=platform)
     trained = lambda e: e["parts"]["optimizer state"] // 8
   tpu, cpu, gpu = est("tpu"), est("cpu"), est("gpu")
   n = trained(tpu)

@@ -89,6 +89,13 @@ def retro_database_shape(config) -> DatabaseShape:
   return DatabaseShape(tokenizer, db.chunk_length, db.seq_chunks)
 
 
+def retro_model_config(config, retrieval: bool = True):
+  """The decoder's RetroConfig a RETRO run of `config` builds (lm_step.model_config), before its
+  database exists: what memory estimates count."""
+  from realm_jax.train import lm_step
+  return lm_step.model_config(config, retro_database_shape(config), retrieval)
+
+
 def retro_batch(config, batch_size: int) -> dict:
   """A global batch as retro_batches gives it, from the pipeline's own decoding of a record."""
   from realm_jax.data.chunks import record_layout
@@ -127,7 +134,7 @@ def retro_programs(config) -> dict[str, Program]:
     trained = count(params, lambda path: not (
         config.freeze_decoder and decoder.is_decoder_param(path)))
     estimate = lambda devices, platform, m=model_config: memory.retro_estimate(
-        config, devices, db.tokenizer.vocab_size, model=m, platform=platform)["parts"]
+        config, devices, m, platform=platform)["parts"]
     out[name] = Program(step, (state, batch, abstract_rng(config)),
                         ("state", "batch", "replicated"), ("state", "replicated"), donate=(0,),
                         params=count(params),

@@ -192,32 +192,21 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
           "dim": dim}
 
 
-def retro_estimate(config, devices: int, vocab_size: int = 30522, model=None, *,
-                   platform: str) -> dict:
+def retro_estimate(config, devices: int, model, *, platform: str) -> dict:
   """Bytes per device of a RETRO run (realm_jax/configs/retro.py): the RETRO decoder's parameters
   (from shapes only) with AdamW's moments for the trained ones only (a RETROfit's frozen decoder
   has none), under fsdp the trained weights gathered whole, and the activations of its sequences,
   neighbour tokens and logits; the chunk index lives on the host (not counted). `model`: the
-  run's RetroConfig (default: built from config.model, or from config.init's pre-trained
-  decoder); on the CPU and GPU, a float32 gradient and an update buffer of the trained ones
-  (`update_buffers`)."""
+  run's RetroConfig, as the trainer builds it (lm_step.model_config; without a database,
+  compile/steps.retro_model_config); on the CPU and GPU, a float32 gradient and an update buffer
+  of the trained ones (`update_buffers`)."""
   from realm_jax import sharding
   from realm_jax.checkpoints import decoder
-  from realm_jax.models.retro import RetroConfig, RetroModel, cca_layers
+  from realm_jax.models.retro import RetroModel
   c, db = config.model, config.db
   axes = sharding.mesh_axes(config.get("mesh", sharding.DEFAULT_MESH), devices, "--config.mesh")
   rules = sharding.config_rules(config)
   length, m, k = db.chunk_length * db.seq_chunks, db.chunk_length, c.num_neighbours
-  if model is None:
-    fields = dict(vocab_size=vocab_size, num_layers=c.num_layers, hidden_size=c.hidden_size,
-                  num_heads=c.num_heads, mlp_size=c.mlp_size, max_length=c.max_length,
-                  family=c.get("family", "gpt2"), num_kv_heads=c.get("num_kv_heads", 0))
-    if config.init != "random":
-      fields.update(decoder.decoder_settings(config.init, flag="--config.init"))
-    model = RetroConfig(**fields, chunk_length=m, cca_layers=tuple(c.cca_layers) or cca_layers(
-        fields["num_layers"], c.cca_start, c.cca_every), encoder_layers=c.encoder_layers,
-                        encoder_size=c.encoder_size, num_neighbours=k, dtype=c.dtype,
-                        remat=c.remat, cca_memory=c.get("cca_memory", "encoder"))
   mc = model
   tokens = jax.ShapeDtypeStruct((1, length), jax.numpy.int32)
   neighbours = jax.ShapeDtypeStruct((1, db.seq_chunks, k, 2 * m), jax.numpy.int32)

@@ -127,8 +127,8 @@ class RetroTrainer(loop.TrainLoop):
     self.model_config = model_config(config, db, retrieval)  # refusals before the first write
     loop.check_workdir_config(config, workdir, FIXED_SETTINGS)
     self.module = RetroModel(self.model_config)
-    est = memory.retro_estimate(config, jax.device_count(), db.tokenizer.vocab_size,
-                                model=self.model_config, platform=memory.platform_of())
+    est = memory.retro_estimate(config, jax.device_count(), self.model_config,
+                                platform=memory.platform_of())
     logging.info("%s", memory.format_retro_estimate(est, title=f"{self.name}: memory per device "
                                                     "(estimate)"))
     params = self._initial_params()
