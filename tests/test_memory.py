@@ -177,6 +177,23 @@ def test_a_frozen_decoders_layers_below_the_first_cca_keep_no_activations():
   assert act() == frozen
 
 
+def test_with_flash_attention_the_decoder_keeps_no_attention_probabilities():
+  """`model.attention=flash` forms no [heads, length, length] probabilities in the decoder's
+  self-attention: by hand for the tiny RETRO made 128 tokens long (the kernel's least; 1
+  sequence a device, 2 layers kept whole, 2 heads, float32), 5 x 2 x 128 x 2 bytes a token and
+  layer fewer; nothing else changes (the neighbour encoder's attention is not flash)."""
+  from realm_jax.configs import retro
+  c = retro.get_config("tiny")
+  c.db.seq_chunks, c.model.max_length = 8, 128
+  est = lambda: retro_estimate(c, 8, platform="tpu")["parts"]
+  dense = est()
+  c.model.attention = "flash"
+  flash = est()
+  assert dense["activations"] - flash["activations"] == 128 * 2 * (5 * 2 * 128) * 2
+  assert {k: v for k, v in dense.items() if k != "activations"} == {
+      k: v for k, v in flash.items() if k != "activations"}
+
+
 def test_with_layers_recomputed_the_estimate_adds_every_layers_dropout_masks():
   """Tiny REALM over 8 devices (1 example a device, 4 candidates; width 32, 2 heads, 2 layers),
   layers recomputed, dropout on: one byte a mask element, by hand, per layer and token the

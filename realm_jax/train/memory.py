@@ -222,27 +222,31 @@ def retro_estimate(config, devices: int, model, *, platform: str) -> dict:
   b = -(-config.batch_size // (axes["data"] * axes["fsdp"]))
   act = 2 if c.dtype == "bfloat16" else 4
 
-  def layers(n_tokens, width, heads, seq, count, remat=c.remat):
+  def layers(n_tokens, width, heads, seq, count, remat=c.remat, scores=True):
     """Bytes kept by `count` layers: every layer's working set, or (recomputed, or with no
-    gradient through them) each layer's input and one layer's working set at a time."""
-    per = (34 * width + 5 * heads * seq) * act / 2
+    gradient through them) each layer's input and one layer's working set at a time. `scores`:
+    the attention forms its [heads, seq] probabilities per token; flash attention does not (one
+    fused kernel keeps a few numbers per token and head: not counted)."""
+    per = (34 * width + (5 * heads * seq if scores else 0)) * act / 2
     if remat:
       return n_tokens * (count * width * act + per)
     return n_tokens * count * per
 
   neighbour_tokens = b * length * 2 * k
+  dense = mc.attention != "flash"  # the decoder's self-attention (not CCA, not the encoder)
   if mc.cca_memory == "decoder":
     # The neighbours run through the frozen decoder's layers up to the last CCA layer, with no
     # gradient through them: kept are the states each CCA layer reads (its keys' and values'
     # inputs), plus one layer's working set at a time.
     neighbour = layers(neighbour_tokens, mc.hidden_size, mc.num_heads, 2 * m,
-                       len(mc.cca_layers), remat=True)
+                       len(mc.cca_layers), remat=True, scores=dense)
   else:
     neighbour = layers(neighbour_tokens, mc.encoder_width, mc.num_heads, 2 * m, c.encoder_layers)
   # A frozen decoder's layers below the first CCA layer have nothing trained at or before them:
   # no gradient reaches them, so they keep no activations for the backward pass.
   below = min(mc.cca_layers) - 1 if config.freeze_decoder and mc.cca_layers else 0
-  activations = (layers(b * length, mc.hidden_size, mc.num_heads, length, mc.num_layers - below)
+  activations = (layers(b * length, mc.hidden_size, mc.num_heads, length, mc.num_layers - below,
+                        scores=dense)
                  + neighbour + 2 * b * length * vocab_size * 4)  # float32 logits and their gradient
   activations /= axes["tensor"]  # heads, feed-forward width and vocabulary split over "tensor"
   # What the TPU compiler holds besides (docs/tpu.md, 2026-11-29): no whole float32 gradient or
