@@ -274,6 +274,8 @@ def tiny_qa_workdir(tmp_path_factory):
        f"--config.data.local_dir={NQ_OPEN}", "--config.retriever_steps=2"],
       env=one_device_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert got.returncode == 0, got.stderr[-5000:]
+  with open(workdir + ".log", "w") as f:  # its log, beside it (test_finetune reads it)
+    f.write(got.stderr)
   return workdir
 
 

@@ -69,6 +69,16 @@ def test_loop_logs_selects_and_checkpoints(run):
 
 
 @pytest.mark.slow
+def test_the_retriever_only_programs_are_dropped_when_reading_starts(run):
+  """The shared run's 2 retriever-only steps compiled their own step programs, which never run
+  again once the reader trains: dropped once, at step 2, before the first joint step."""
+  workdir, _ = run
+  lines = [line for line in open(workdir + ".log") if "retriever-only step programs dropped" in line]
+  assert len(lines) == 1 and "Reading starts at step 2:" in lines[0], lines
+  assert int(lines[0].split(": ")[-1].split()[0]) >= 1
+
+
+@pytest.mark.slow
 def test_rerun_resumes_and_has_nothing_left_to_do(run):
   workdir, setup = run
   _, meta = setup.best_params()

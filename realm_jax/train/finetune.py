@@ -35,6 +35,7 @@ from realm_jax.data.answerable import corpus_finder
 from realm_jax.data.corpus import CorpusConfig
 from realm_jax.data.mixture import MixtureOrder, by_dataset, first_of_each, mixture_weights
 from realm_jax.eval.open_qa import check_ks, evaluate_open_qa, per_dataset
+from realm_jax.host_memory import release_freed_memory
 from realm_jax.io_utils import as_path, read_json
 from realm_jax.retrieval import build
 from realm_jax.retrieval.index import index_options
@@ -209,6 +210,7 @@ class QaTrainer(loop.TrainLoop):
     self.best = dict(NO_BEST)         # the record of the model in best/
     self.seen = 0                     # training questions examined (kept or passed over)
     self._window = [0, 0]             # questions trained, examined since the last log
+    self._reading = None              # whether the last batch was read (None: none made yet)
     self.start(self.setup.init_params, tx,
                functools.partial(qa_train_step, models=self.setup.models, dropout=config.dropout,
                                  pieces=pieces))
@@ -263,8 +265,22 @@ class QaTrainer(loop.TrainLoop):
     self.seen += examined
     self._window = [self._window[0] + len(picked), self._window[1] + examined]
     read = 0 if self.retriever_only else c.reader_blocks
+    if read and self._reading is False:
+      self._drop_retriever_only_programs()
+    self._reading = bool(read)
     return self.put(self.setup.batcher.train_batch(picked, np.stack(beams), self.setup.table,
                                                    read))
+
+  def _drop_retriever_only_programs(self) -> None:
+    """Reading starts: the retriever-only steps' compiled programs (one per question length)
+    never run again, and on the CPU they hold ~0.4 GiB (the mixture's three: docs/notes.md,
+    2026-12-01) that the reader's programs would be added to. Every compiled program goes (the
+    dev evaluation's compile again once)."""
+    dropped = self.step_fn._cache_size()
+    jax.clear_caches()
+    release_freed_memory()
+    logging.info("Reading starts at step %d: %d retriever-only step programs dropped.",
+                 int(self.state.step), dropped)
 
   @property
   def retriever_only(self) -> bool:
