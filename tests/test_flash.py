@@ -60,6 +60,11 @@ def test_flash_attention_refuses_what_it_cannot_do():
   with pytest.raises(ValueError, match="sliding window"):
     RetroConfig(vocab_size=10, family="llama", attention="flash", sliding_window=16,
                 hidden_size=32, num_heads=2)
+  with pytest.raises(ValueError, match=r"runs each neighbour \(2 x chunk_length = 32 tokens\)"):
+    RetroConfig(vocab_size=10, family="llama", attention="flash", cca_memory="decoder",
+                chunk_length=16, cca_layers=(1,), num_layers=1, hidden_size=32, num_heads=2)
+  RetroConfig(vocab_size=10, family="llama", attention="flash", cca_memory="decoder",
+              chunk_length=64, cca_layers=(1,), num_layers=1, hidden_size=32, num_heads=2)
   with pytest.raises(ValueError, match="Unknown attention"):
     RetroConfig(vocab_size=10, attention="splash", hidden_size=32, num_heads=2)
   config = RetroConfig(vocab_size=10, num_layers=1, hidden_size=32, num_heads=2, mlp_size=8,

@@ -90,6 +90,13 @@ class RetroConfig:
     if self.cca_memory == "decoder" and self.family != "llama":
       raise ValueError("cca_memory='decoder' needs the llama family (its CCA is shaped like the "
                        f"layer's grouped-query attention); family is {self.family!r}.")
+    if (self.attention == "flash" and self.cca_memory == "decoder" and self.cca_layers
+        and (2 * self.chunk_length) % flash.BLOCK):
+      raise ValueError(
+          f"attention='flash' with cca_memory='decoder' runs each neighbour (2 x chunk_length = "
+          f"{2 * self.chunk_length} tokens) through the decoder's attention, which the kernel "
+          f"tiles in blocks of {flash.BLOCK}: use a chunk_length that makes a multiple of that, "
+          "or attention='dense'.")
     if self.attention == "flash" and self.sliding_window:
       raise ValueError(f"attention='flash' has no sliding window (sliding_window="
                        f"{self.sliding_window}): use attention='dense'.")
