@@ -276,7 +276,7 @@ class QaTrainer(loop.TrainLoop):
     never run again, and on the CPU they hold ~0.4 GiB (the mixture's three: docs/notes.md,
     2026-12-01) that the reader's programs would be added to. Every compiled program goes (the
     dev evaluation's compile again once)."""
-    dropped = self.step_fn._cache_size()
+    dropped = getattr(self.step_fn, "_cache_size", lambda: "the")()  # (jax's, not public)
     jax.clear_caches()
     release_freed_memory()
     logging.info("Reading starts at step %d: %d retriever-only step programs dropped.",

@@ -203,11 +203,11 @@ def retro_estimate(config, devices: int, model, *, platform: str) -> dict:
   from realm_jax import sharding
   from realm_jax.checkpoints import decoder
   from realm_jax.models.retro import RetroModel
-  c, db = config.model, config.db
+  db = config.db
   axes = sharding.mesh_axes(config.get("mesh", sharding.DEFAULT_MESH), devices, "--config.mesh")
   rules = sharding.config_rules(config)
-  length, m, k = db.chunk_length * db.seq_chunks, db.chunk_length, c.num_neighbours
   mc = model
+  length, m, k = mc.chunk_length * db.seq_chunks, mc.chunk_length, mc.num_neighbours
   tokens = jax.ShapeDtypeStruct((1, length), jax.numpy.int32)
   neighbours = jax.ShapeDtypeStruct((1, db.seq_chunks, k, 2 * m), jax.numpy.int32)
   shapes = jax.eval_shape(lambda t, n: RetroModel(mc).init(jax.random.key(0), t, n), tokens,
@@ -220,9 +220,9 @@ def retro_estimate(config, devices: int, model, *, platform: str) -> dict:
   trained = sharding.elements_per_device(shapes, axes, rules, keep=is_trained)
   vocab_size = mc.vocab_size
   b = -(-config.batch_size // (axes["data"] * axes["fsdp"]))
-  act = 2 if c.dtype == "bfloat16" else 4
+  act = 2 if mc.dtype == "bfloat16" else 4
 
-  def layers(n_tokens, width, heads, seq, count, remat=c.remat, scores=True):
+  def layers(n_tokens, width, heads, seq, count, remat=mc.remat, scores=True):
     """Bytes kept by `count` layers: every layer's working set, or (recomputed, or with no
     gradient through them) each layer's input and one layer's working set at a time. `scores`:
     the attention forms its [heads, seq] probabilities per token; flash attention does not (one
@@ -241,7 +241,7 @@ def retro_estimate(config, devices: int, model, *, platform: str) -> dict:
     neighbour = layers(neighbour_tokens, mc.hidden_size, mc.num_heads, 2 * m,
                        len(mc.cca_layers), remat=True, scores=dense)
   else:
-    neighbour = layers(neighbour_tokens, mc.encoder_width, mc.num_heads, 2 * m, c.encoder_layers)
+    neighbour = layers(neighbour_tokens, mc.encoder_width, mc.num_heads, 2 * m, mc.encoder_layers)
   # A frozen decoder's layers below the first CCA layer have nothing trained at or before them:
   # no gradient reaches them, so they keep no activations for the backward pass.
   below = min(mc.cca_layers) - 1 if config.freeze_decoder and mc.cca_layers else 0
