@@ -210,7 +210,6 @@ class QaTrainer(loop.TrainLoop):
     self.best = dict(NO_BEST)         # the record of the model in best/
     self.seen = 0                     # training questions examined (kept or passed over)
     self._window = [0, 0]             # questions trained, examined since the last log
-    self._reading = None              # whether the last batch was read (None: none made yet)
     self.start(self.setup.init_params, tx,
                functools.partial(qa_train_step, models=self.setup.models, dropout=config.dropout,
                                  pieces=pieces))
@@ -265,9 +264,8 @@ class QaTrainer(loop.TrainLoop):
     self.seen += examined
     self._window = [self._window[0] + len(picked), self._window[1] + examined]
     read = 0 if self.retriever_only else c.reader_blocks
-    if read and self._reading is False:
+    if read and c.retriever_steps and int(self.state.step) == c.retriever_steps:
       self._drop_retriever_only_programs()
-    self._reading = bool(read)
     return self.put(self.setup.batcher.train_batch(picked, np.stack(beams), self.setup.table,
                                                    read))
 
@@ -276,10 +274,10 @@ class QaTrainer(loop.TrainLoop):
     never run again, and on the CPU they hold ~0.4 GiB (the mixture's three: docs/notes.md,
     2026-12-01) that the reader's programs would be added to. Every compiled program goes (the
     dev evaluation's compile again once)."""
-    dropped = getattr(self.step_fn, "_cache_size", lambda: "the")()  # (jax's, not public)
+    dropped = getattr(self.step_fn, "_cache_size", lambda: "the")()  # jax's, not public
     jax.clear_caches()
     release_freed_memory()
-    logging.info("Reading starts at step %d: %d retriever-only step programs dropped.",
+    logging.info("Reading starts at step %d: %s retriever-only step programs dropped.",
                  int(self.state.step), dropped)
 
   @property

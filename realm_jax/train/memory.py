@@ -192,11 +192,11 @@ def estimate(config, devices: int, index_rows: int, mc: RealmConfig | None = Non
           "dim": dim}
 
 
-def retro_estimate(config, devices: int, model, *, platform: str) -> dict:
+def retro_estimate(config, devices: int, mc, *, platform: str) -> dict:
   """Bytes per device of a RETRO run (realm_jax/configs/retro.py): the RETRO decoder's parameters
   (from shapes only) with AdamW's moments for the trained ones only (a RETROfit's frozen decoder
   has none), under fsdp the trained weights gathered whole, and the activations of its sequences,
-  neighbour tokens and logits; the chunk index lives on the host (not counted). `model`: the
+  neighbour tokens and logits; the chunk index lives on the host (not counted). `mc`: the
   run's RetroConfig, as the trainer builds it (lm_step.model_config; without a database,
   compile/steps.retro_model_config); on the CPU and GPU, a float32 gradient and an update buffer
   of the trained ones (`update_buffers`)."""
@@ -206,7 +206,6 @@ def retro_estimate(config, devices: int, model, *, platform: str) -> dict:
   db = config.db
   axes = sharding.mesh_axes(config.get("mesh", sharding.DEFAULT_MESH), devices, "--config.mesh")
   rules = sharding.config_rules(config)
-  mc = model
   length, m, k = mc.chunk_length * db.seq_chunks, mc.chunk_length, mc.num_neighbours
   tokens = jax.ShapeDtypeStruct((1, length), jax.numpy.int32)
   neighbours = jax.ShapeDtypeStruct((1, db.seq_chunks, k, 2 * m), jax.numpy.int32)
