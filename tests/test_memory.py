@@ -181,7 +181,8 @@ def test_with_flash_attention_the_decoder_keeps_no_attention_probabilities():
   """`model.attention=flash` forms no [heads, length, length] probabilities in the decoder's
   self-attention: by hand for the tiny RETRO made 128 tokens long (the kernel's least; 1
   sequence a device, 2 layers kept whole, 2 heads, float32), 5 x 2 x 128 x 2 bytes a token and
-  layer fewer; nothing else changes (the neighbour encoder's attention is not flash)."""
+  layer fewer; nothing else changes (the neighbours' attention is not flash, encoder or decoder
+  states)."""
   from realm_jax.configs import retro
   c = retro.get_config("tiny")
   c.db.seq_chunks, c.model.max_length = 8, 128
@@ -192,6 +193,12 @@ def test_with_flash_attention_the_decoder_keeps_no_attention_probabilities():
   assert dense["activations"] - flash["activations"] == 128 * 2 * (5 * 2 * 128) * 2
   assert {k: v for k, v in dense.items() if k != "activations"} == {
       k: v for k, v in flash.items() if k != "activations"}
+  # CCA reading the decoder's states of the neighbours: those run the dense attention, flash or
+  # not (models/retro.py), so their probabilities stay counted; only the decoder's go.
+  c.model.cca_memory = "decoder"
+  flash = est()
+  c.model.attention = "dense"
+  assert est()["activations"] - flash["activations"] == 128 * 2 * (5 * 2 * 128) * 2
 
 
 def test_with_layers_recomputed_the_estimate_adds_every_layers_dropout_masks():

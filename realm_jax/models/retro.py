@@ -90,13 +90,6 @@ class RetroConfig:
     if self.cca_memory == "decoder" and self.family != "llama":
       raise ValueError("cca_memory='decoder' needs the llama family (its CCA is shaped like the "
                        f"layer's grouped-query attention); family is {self.family!r}.")
-    if (self.attention == "flash" and self.cca_memory == "decoder" and self.cca_layers
-        and (2 * self.chunk_length) % flash.BLOCK):
-      raise ValueError(
-          f"attention='flash' with cca_memory='decoder' runs each neighbour (2 x chunk_length = "
-          f"{2 * self.chunk_length} tokens) through the decoder's attention, which the kernel "
-          f"tiles in blocks of {flash.BLOCK}: use a chunk_length that makes a multiple of that, "
-          "or attention='dense'.")
     if self.attention == "flash" and self.sliding_window:
       raise ValueError(f"attention='flash' has no sliding window (sliding_window="
                        f"{self.sliding_window}): use attention='dense'.")
@@ -462,7 +455,9 @@ class RetroModel(nn.Module):
     states = None
     if embedded is not None and c.cca_memory == "decoder":
       # Each neighbour (its chunk and continuation) is a sequence of its own through the
-      # decoder's layers, up to the input of the last CCA layer.
+      # decoder's layers, up to the input of the last CCA layer, with the dense attention
+      # (`state_allowed` given: its padding masked) under `attention="flash"` too: its 2m
+      # tokens need not fill the kernel's blocks.
       b, chunks, k, r, h = embedded.shape
       states = batch_split(embedded.reshape(b * chunks * k, r, h))
       state_allowed = (jnp.tril(jnp.ones((r, r), bool))[None]

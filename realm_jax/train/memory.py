@@ -236,9 +236,10 @@ def retro_estimate(config, devices: int, mc, *, platform: str) -> dict:
   if mc.cca_memory == "decoder":
     # The neighbours run through the frozen decoder's layers up to the last CCA layer, with no
     # gradient through them: kept are the states each CCA layer reads (its keys' and values'
-    # inputs), plus one layer's working set at a time.
+    # inputs), plus one layer's working set at a time (dense attention, flash or not:
+    # models/retro.py).
     neighbour = layers(neighbour_tokens, mc.hidden_size, mc.num_heads, 2 * m,
-                       len(mc.cca_layers), remat=True, scores=dense)
+                       len(mc.cca_layers), remat=True)
   else:
     neighbour = layers(neighbour_tokens, mc.encoder_width, mc.num_heads, 2 * m, mc.encoder_layers)
   # A frozen decoder's layers below the first CCA layer have nothing trained at or before them:
