@@ -22,6 +22,25 @@ def _segments():
   return jnp.asarray(np.stack([first, np.zeros(L, int)]), jnp.int32)
 
 
+def _dense_then_flash(config, params, tokens, neighbours, segments=None):
+  """The loss, logits and gradients of `config`'s model, dense, then flash (Pallas' TPU
+  interpreter), checked equal: returns the flash logits."""
+  def loss(p, c):
+    logits = RetroModel(c).apply({"params": p}, tokens, neighbours, segments=segments)
+    return token_nll(logits, jnp.roll(tokens, -1, 1)).mean(), logits
+
+  step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+  (want_loss, want), want_grad = step(params, config)
+  with pltpu.force_tpu_interpret_mode():
+    (got_loss, got), got_grad = step(params, dataclasses.replace(config, attention="flash"))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grad),
+                          jax.tree_util.tree_leaves(want_grad)):
+    np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+  return got
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_flash_attention_equals_the_dense_softmax(family):
   config = RetroConfig(vocab_size=97, num_layers=1, hidden_size=32, num_heads=4, mlp_size=64,
@@ -33,20 +52,7 @@ def test_flash_attention_equals_the_dense_softmax(family):
   neighbours = jnp.asarray(rng.integers(0, 97, (2, L // M, 2, 2 * M)), jnp.int32)
   segments = _segments()
   params = jit_init(RetroModel(config), 0, tokens, neighbours, segments=segments)
-
-  def loss(p, c):
-    logits = RetroModel(c).apply({"params": p}, tokens, neighbours, segments=segments)
-    return token_nll(logits, jnp.roll(tokens, -1, 1)).mean(), logits
-
-  step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
-  (want_loss, want), want_grad = step(params, config)
-  with pltpu.force_tpu_interpret_mode():
-    (got_loss, got), got_grad = step(params, flash)
-  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
-  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grad),
-                          jax.tree_util.tree_leaves(want_grad)):
-    np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+  got = _dense_then_flash(config, params, tokens, neighbours, segments)
   # A token of document 1 reads nothing of document 0: changing document 0 leaves it alone.
   other = tokens.at[0, :100].set((tokens[0, :100] + 1) % 96)
   with pltpu.force_tpu_interpret_mode():
@@ -65,7 +71,6 @@ def test_flash_attention_with_cca_reading_the_decoders_states_of_padded_neighbou
   config = RetroConfig(vocab_size=97, num_layers=2, hidden_size=32, num_heads=4, mlp_size=64,
                        max_length=length, chunk_length=m, cca_layers=(2,), family="llama",
                        num_kv_heads=2, pad_id=96, cca_memory="decoder")
-  flash = dataclasses.replace(config, attention="flash")
   rng = np.random.default_rng(1)
   tokens = jnp.asarray(rng.integers(0, 96, (1, length)), jnp.int32)
   neighbours = rng.integers(0, 96, (1, length // m, 2, 2 * m))
@@ -73,20 +78,8 @@ def test_flash_attention_with_cca_reading_the_decoders_states_of_padded_neighbou
   neighbours[0, 1, 1, 5:9] = 96          # padding inside
   neighbours[0, 2, 0] = 96               # no neighbour at all
   neighbours = jnp.asarray(neighbours, jnp.int32)
-  params = jit_init(RetroModel(config), 0, tokens, neighbours)
-
-  def loss(p, c):
-    logits = RetroModel(c).apply({"params": p}, tokens, neighbours)
-    return token_nll(logits, jnp.roll(tokens, -1, 1)).mean(), logits
-
-  step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
-  (_, want), want_grad = step(params, config)
-  with pltpu.force_tpu_interpret_mode():
-    (_, got), got_grad = step(params, flash)
-  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grad),
-                          jax.tree_util.tree_leaves(want_grad)):
-    np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+  _dense_then_flash(config, jit_init(RetroModel(config), 0, tokens, neighbours), tokens,
+                    neighbours)
 
 
 def test_flash_attention_refuses_what_it_cannot_do():
