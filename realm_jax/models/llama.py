@@ -105,9 +105,9 @@ class GroupedQueryAttention(nn.Module):
     q = apply_rope(jnp.moveaxis(q, 1, -2), positions[:, None, None], inv_freq)  # [B, Nkv, G, L, Dh]
     k = apply_rope(jnp.moveaxis(k, 1, -2), source_positions[:, None], inv_freq)  # [B, Nkv, S, Dh]
     v = jnp.moveaxis(v, 1, -2)
-    # Flash attention where no mask is given (the decoder's sequence, documents by `segments`);
-    # the dense softmax over `allowed` otherwise (CCA, the neighbours' states).
-    if c.attention == "flash" and allowed is None:  # query heads ordered (kv head, group)
+    # Flash where no mask is given (the decoder's sequence; query heads ordered (kv head,
+    # group)); the dense softmax over `allowed` otherwise (CCA, the neighbours' states).
+    if c.attention == "flash" and allowed is None:
       ctx = flash.attend(q.reshape(b, nq, length, dh), k, v, segments)     # [B, N, L, Dh]
       ctx = jnp.moveaxis(ctx, 1, 2).reshape(b, length, nq * dh)
     else:

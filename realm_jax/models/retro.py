@@ -230,7 +230,7 @@ class CausalSelfAttention(nn.Module):
     c = self.config
     q, k, v = jnp.split(_dense(c, 3 * c.hidden_size, "c_attn")(x), 3, axis=-1)
     q, k, v = (_heads(t, c.num_heads) for t in (q, k, v))            # [B, N, L, Dh]
-    if c.attention == "flash":
+    if c.attention == "flash" and allowed is None:  # as the Llama attention decides
       ctx = _merge(flash.attend(q, k, v, segments))
     else:
       ctx = _merge(_attend(q, k, v, jnp.where(allowed[:, None], 0.0, _NEG)))   # [B, L, H]
