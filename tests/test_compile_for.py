@@ -235,6 +235,73 @@ def test_model_flops_equal_a_hand_count_and_the_cpu_mesh_splits_them():
   assert got["while_loops"] == 0
 
 
+# A compiled TPU program as libtpu prints it: source tables, then instructions with op_name,
+# stack frame and the compiler's per-instruction estimate (fused computations left out).
+TIMED_HLO = """\
+HloModule jit_wrapped, is_scheduled=true
+
+FileNames
+1 "/venv/lib/python3.11/site-packages/optax/_src/transform.py"
+2 "/work/realm_jax/models/retro.py"
+
+FunctionNames
+1 "update_fn"
+2 "token_nll"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=9 end_line=9 column=1 end_column=1}
+2 {file_name_id=2 function_name_id=2 line=5 end_line=5 column=3 end_column=3}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+
+ENTRY %main.1 (p: f32[1024], w: bf16[8,128,256]) -> f32[1024] {
+  %p = f32[1024]{0:T(1024)} parameter(0)
+  %w = bf16[8,128,256]{2,1,0:T(8,128)(2,1)} parameter(1)
+  %fusion.1 = bf16[8,128,256]{2,1,0} fusion(%w), kind=kLoop, calls=%f.1, \
+metadata={op_name="jit(wrapped)/jvp(RetroModel)/h_3/mlp/c_fc/dot_general" stack_frame_id=2}, \
+backend_config={"flag_configs":[],"estimated_cycles":"300"}
+  %fusion.2 = bf16[8,128,256]{2,1,0} fusion(%fusion.1, %w), kind=kOutput, calls=%f.2, \
+metadata={op_name="jit(wrapped)/transpose(jvp(RetroModel))/jvp(RetroModel)/checkpoint/h_4/mlp/\
+c_fc/dot_general" stack_frame_id=2}, backend_config={"estimated_cycles":"500"}
+  %fusion.3 = bf16[8,128,256]{2,1,0} fusion(%w), kind=kOutput, calls=%f.3, \
+metadata={op_name="jit(wrapped)/transpose(jvp(RetroModel))/jvp(RetroModel)/checkpoint/\
+rematted_computation/h_11/mlp/c_fc/dot_general"}, backend_config={"estimated_cycles":"200"}
+  %sum.1 = f32[] fusion(%fusion.3), kind=kLoop, calls=%f.5, \
+metadata={op_name="jit(wrapped)/jvp(RetroModel)/reduce_sum" stack_frame_id=2}, \
+backend_config={"estimated_cycles":"50"}
+  %custom-call.1 = bf16[8,128,256]{2,1,0} custom-call(%w), \
+custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"x",\
+"cost_estimate":{"flops":"1000","transcendentals":"0","bytes_accessed":"8"}}}
+  ROOT %fusion.4 = f32[1024]{0} fusion(%p), kind=kLoop, calls=%f.4, \
+metadata={op_name="jit(wrapped)/mul" stack_frame_id=1}, backend_config={"estimated_cycles":"100"}
+}
+"""
+
+
+def test_the_compilers_time_by_part_of_hand_written_hlo():
+  """Each estimated instruction goes to one part: the module path from its op_name, layers
+  merged, with its phase (recomputed inside the backward pass, backward, forward); outside any
+  module, optax's code is the optimizer and other code is named by its source frame. Bytes are
+  an instruction's results and operands; the Pallas kernel carries no estimate and is counted
+  apart with the FLOPs it declares."""
+  got = hlo.time_by_part(TIMED_HLO)
+  slab = 8 * 128 * 256 * 2
+  assert got["cycles"] == 300 + 500 + 200 + 50 + 100
+  assert got["parts"] == {
+      "backward h_*/mlp/c_fc": {"cycles": 500, "bytes": 3 * slab, "instructions": 1},
+      "forward h_*/mlp/c_fc": {"cycles": 300, "bytes": 2 * slab, "instructions": 1},
+      "recomputed h_*/mlp/c_fc": {"cycles": 200, "bytes": 2 * slab, "instructions": 1},
+      "optimizer": {"cycles": 100, "bytes": 2 * 1024 * 4, "instructions": 1},
+      "forward realm_jax/models/retro.py:token_nll": {"cycles": 50, "bytes": 4 + slab,
+                                                      "instructions": 1}}
+  assert got["kernels"] == {"count": 1, "declared_flops": 1000}
+  assert hlo.time_by_block(got) == {"h_*/mlp": 1000 / 1150, "optimizer": 100 / 1150,
+                                    "retro.py": 50 / 1150}
+  assert hlo.time_by_part(HLO)["cycles"] == 0  # no estimates (XLA:CPU's text): nothing
+
+
 def _tiny_retro():
   c = retro_configs.get_config("tiny")
   c.models = ("retro",)
@@ -320,7 +387,15 @@ def test_tiny_retro_step_compiles_for_a_v5e_slice():
   # arguments the TPU compiler allots (that state and a small batch): within 20%.
   held = p["estimate"]["parameters"] + p["estimate"]["optimizer state"]
   assert 0.8 < held / p["memory"]["arguments"] < 1.2
-
+  # Where the compiler's time goes: the model's blocks, and the AdamW update reading and writing
+  # at least each parameter and both moments (float32) and reading its gradient.
+  by_part = p["time_by_part"]
+  blocks = hlo.time_by_block(by_part)
+  assert {"h_*/attn", "h_*/mlp", "h_*/cca", "h_*/encoder", "optimizer"} <= set(blocks)
+  assert abs(sum(blocks.values()) - 1) < 1e-9 and by_part["kernels"]["count"] == 0
+  assert by_part["parts"]["optimizer"]["bytes"] >= (3 * 2 + 1) * 4 * p["params"]
+  assert any(k.startswith("backward h_*/mlp") for k in by_part["parts"])
+  assert "the compiler's time by part" in aot.format_report(report)
 
 @needs_libtpu
 def test_flash_attention_compiles_for_a_v5e_slice_split_three_ways():
@@ -343,7 +418,11 @@ def test_flash_attention_compiles_for_a_v5e_slice_split_three_ways():
   assert p["collectives"]["all-gather"]["count"] > 0
   held = p["estimate"]["parameters"] + p["estimate"]["optimizer state"]
   assert 0.8 < held / p["memory"]["arguments"] < 1.2
-
+  # The kernels carry no per-instruction estimate: counted apart, with the FLOPs their forward
+  # declares (the backward kernels declare none).
+  kernels = p["time_by_part"]["kernels"]
+  assert kernels["count"] == p["custom_calls"]["tpu_custom_call"] and kernels["declared_flops"] > 0
+  assert f"{kernels['count']} Pallas kernels not estimated" in aot.format_report(report)
 
 @needs_libtpu
 @pytest.mark.slow

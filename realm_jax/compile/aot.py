@@ -203,6 +203,9 @@ def compile_program(program: steps.Program, mesh: Mesh, chip: topologies.Chip | 
     if chip and not out["while_loops"] and math.isfinite(flops):
       out["mfu"] = flops / (seconds * chip.device_peak_flops)
   out["collectives"] = hlo.collectives(text)
+  by_part = hlo.time_by_part(text)
+  if by_part["cycles"]:  # libtpu's per-instruction estimates (XLA:CPU gives none)
+    out["time_by_part"] = by_part
   return out
 
 
@@ -325,6 +328,12 @@ def format_report(report: dict) -> str:
                if math.isfinite(p["model_flops_per_device"]) else "model FLOPs not counted (loops)")
       lines.append(f"  per device: {_num(p['flops_per_device'], 'FLOP')} compiled, {model}; "
                    f"{_gib(p['bytes_accessed_per_device'])} accessed{loops}")
+    if "time_by_part" in p:
+      blocks = hlo.time_by_block(p["time_by_part"])
+      kernels = p["time_by_part"]["kernels"]["count"]
+      lines.append("  the compiler's time by part (its per-instruction estimates, phases "
+                   "together" + (f"; {kernels} Pallas kernels not estimated" if kernels else "")
+                   + "): " + ", ".join(f"{k} {v:.1%}" for k, v in list(blocks.items())[:8]))
     if p.get("optimal_seconds") is not None:
       mfu = (f"; MFU {p['mfu']:.1%} of {chip['peak_tflops_per_device']:g} TFLOP/s bf16"
              if p.get("mfu") is not None else "")

@@ -1,7 +1,10 @@
-"""The collectives of a compiled program, read from its HLO text (`compiled.as_text()`).
+"""The collectives of a compiled program, and where its time goes, read from its HLO text
+(`compiled.as_text()`).
 
     collectives(compiled.as_text())
     # {"all-reduce": {"count": 1, "bytes": 4194304}, "all-gather": {...}, ...}
+    time_by_block(time_by_part(compiled.as_text()))
+    # {"h_*/encoder": 0.34, "optimizer": 0.16, "h_*/attn": 0.16, ...}  (libtpu's programs)
 
 Per kind (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute): how many run in
 one call of the program and the bytes of their results on one device (an SPMD program's shapes are
@@ -16,6 +19,8 @@ collective in a while loop's body counts once per iteration when the HLO gives t
 
 `unestimated_calls` counts the custom calls libtpu's cost model cannot estimate (see aot.py);
 `while_loops` the loops, whose bodies XLA's cost analysis counts once (not once per iteration).
+`time_by_part` sums libtpu's own per-instruction time estimates by the part of the model (or the
+optimizer) each instruction computes: where a step's time goes, as the compiler sees it.
 """
 
 from __future__ import annotations
@@ -178,3 +183,112 @@ def custom_calls(hlo_text: str) -> dict[str, int]:
 def while_loops(hlo_text: str) -> int:
   """While loops in a program (XLA's cost analysis counts each body's FLOPs once)."""
   return len(re.findall(r"\swhile\(", hlo_text))
+
+
+# ------------------------------------------------------------------ where the compiler's time goes
+_CYCLES = re.compile(r'"estimated_cycles"\s*:\s*"?(\d+)')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_DECLARED_FLOPS = re.compile(r'"cost_estimate"\s*:\s*\{[^}]*"flops"\s*:\s*"?(\d+)')
+# What jax writes into op_name around the model's module path: transformations, jitted helpers,
+# einsum specs and the primitive itself are not modules.
+_NOT_A_MODULE = re.compile(r"[()<>,.]|->|^(checkpoint|rematted_computation|shard_map|pallas_call"
+                           r"|while|body|cond)$")
+
+
+def _frames(hlo_text: str) -> dict[str, str]:
+  """{stack frame id: "file:function"} of a module's FileNames, FunctionNames, FileLocations and
+  StackFrames tables (what its instructions' `stack_frame_id` names: the innermost frame)."""
+  tables: dict[str, dict[str, str]] = {}
+  table = None
+  for line in hlo_text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      table = tables.setdefault(line, {})
+    elif table is not None and re.match(r"^\d+ ", line):
+      key, _, value = line.partition(" ")
+      table[key] = value
+    elif table is not None and line.strip():
+      table = None
+  files, functions = tables.get("FileNames", {}), tables.get("FunctionNames", {})
+  locations = {k: re.findall(r"(file_name_id|function_name_id)=(\d+)", v)
+               for k, v in tables.get("FileLocations", {}).items()}
+  out = {}
+  for frame, value in tables.get("StackFrames", {}).items():
+    where = dict(locations.get((re.findall(r"file_location_id=(\d+)", value) or ["?"])[0], ()))
+    path = files.get(where.get("file_name_id", ""), '"?"').strip('"')
+    path = path.rsplit("site-packages/", 1)[-1]
+    path = "realm_jax/" + path.rsplit("/realm_jax/", 1)[-1] if "/realm_jax/" in path else path
+    function = functions.get(where.get("function_name_id", ""), "?").strip('"')
+    out[frame] = f"{path}:{function}"
+  return out
+
+
+def part_of(op_name: str, frame: str = "") -> str:
+  """The part of a training step an instruction computes, from its `op_name` (and, outside any
+  Flax module, the innermost source frame `frame`): "<phase> <module path>", the phase forward,
+  recomputed (layer recomputation inside the backward pass) or backward, numbered layers merged
+  (`h_5/mlp/c_fc` -> `h_*/mlp/c_fc`). Outside the model: "optimizer" (what optax computes, and
+  the update that XLA fuses into the trainers' non-finite guard, train/realm_step.guarded_update)
+  or the phase and the source file and function."""
+  names = op_name.split("/")
+  phase = ("recomputed" if "rematted_computation" in names else
+           "backward" if any(n.startswith("transpose(") for n in names) else "forward")
+  modules = [re.sub(r"_\d+$", "_*", n) for n in names[:-1] if not _NOT_A_MODULE.search(n)]
+  if modules:
+    return f"{phase} {'/'.join(modules)}"
+  if frame.startswith("optax/") or ":guarded_update" in frame:
+    return "optimizer"
+  return f"{phase} {frame or op_name or '?'}"
+
+
+def time_by_part(hlo_text: str) -> dict:
+  """Where a compiled TPU program's time goes, by the compiler's own per-instruction estimates
+  (`estimated_cycles` in each scheduled instruction's backend config; libtpu writes them, XLA:CPU
+  does not): {"cycles": their sum, "parts": {part_of(...): {"cycles", "bytes", "instructions"}},
+  "kernels": {"count", "declared_flops"}}. "bytes" are an instruction's operands and results (a
+  fusion's reads and writes of memory, not its inner steps). Pallas kernels (`tpu_custom_call`)
+  carry no estimate: they are counted apart with the FLOPs their cost estimates declare. A while
+  loop's body is counted once."""
+  frames = _frames(hlo_text)
+  sizes: dict[str, int] = {}
+  parts: dict[str, dict] = collections.defaultdict(lambda: {"cycles": 0, "bytes": 0,
+                                                             "instructions": 0})
+  kernels = {"count": 0, "declared_flops": 0}
+  for line in hlo_text.splitlines():
+    found = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
+    if not found:
+      continue
+    shape, after = _split_shape(found.group(2))
+    sizes[found.group(1)] = shape_bytes(shape)
+    if 'custom_call_target="tpu_custom_call"' in after:
+      kernels["count"] += 1
+      declared = _DECLARED_FLOPS.search(after)
+      kernels["declared_flops"] += int(declared.group(1)) if declared else 0
+    cycles = _CYCLES.search(after)
+    if not cycles:
+      continue
+    operands = after[after.find("(") + 1:]
+    operands = operands[:operands.find(")")] if ")" in operands else ""
+    name, frame = _OP_NAME.search(after), _FRAME_ID.search(after)
+    part = parts[part_of(name.group(1) if name else "", frames.get(frame.group(1), "")
+                         if frame else "")]
+    part["cycles"] += int(cycles.group(1))
+    part["bytes"] += sizes[found.group(1)] + sum(
+        sizes.get(o, 0) for o in re.findall(r"%([\w.\-]+)", operands))
+    part["instructions"] += 1
+  total = sum(p["cycles"] for p in parts.values())
+  ordered = dict(sorted(parts.items(), key=lambda kv: -kv[1]["cycles"]))
+  return {"cycles": total, "parts": ordered, "kernels": kernels}
+
+
+def time_by_block(by_part: dict) -> dict[str, float]:
+  """{block: share of the estimated cycles} of `time_by_part`'s result, its parts' phases
+  together and module paths cut to two names (`h_*/encoder`, `h_*/mlp`), largest first."""
+  blocks: dict[str, int] = collections.defaultdict(int)
+  for part, p in by_part["parts"].items():
+    phase, _, path = part.partition(" ")
+    key = part if phase == "optimizer" else ("/".join(path.split("/")[:2]) if ":" not in path
+                                             else path.split(":")[0].rsplit("/", 1)[-1])
+    blocks[key] += p["cycles"]
+  total = by_part["cycles"] or 1
+  return {k: v / total for k, v in sorted(blocks.items(), key=lambda kv: -kv[1])}
