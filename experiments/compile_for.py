@@ -9,6 +9,7 @@ time and the MFU it implies (realm_jax/compile/aot.py). Needs libtpu:
       --topology=v5e-8
   python experiments/compile_for.py --config=realm_jax/configs/pretrain.py:paper_v4_64 \
       --topology=v4-64
+  python experiments/compile_for.py --config=realm_jax/configs/finetune.py:mixture --topology=v5e-8
   python experiments/compile_for.py --config=realm_jax/configs/retro.py:tiny --topology=cpu-8
 
 --topology: v5e-256, v5litepod-16, v6e-64, v4-64, v5p-128, v3-128 (Cloud TPU's names), a torus
@@ -23,8 +24,9 @@ from absl import flags
 
 from realm_jax import cli
 
-_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/retro.py:<variant> or "
-                            "realm_jax/configs/pretrain.py:<variant>).")
+_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/retro.py:<variant>, "
+                            "realm_jax/configs/pretrain.py:<variant> or "
+                            "realm_jax/configs/finetune.py:<variant>).")
 _TOPOLOGY = flags.DEFINE_string("topology", None, "The slice to compile for: v5e-256, v4-64, "
                                 "v5p-128, v6e-8, v5e:16x16, cpu-8, ...")
 _MESH = flags.DEFINE_string("mesh", "", "Mesh axes and sizes, e.g. data=-1 or data=32,fsdp=8 "

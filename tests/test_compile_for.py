@@ -397,6 +397,32 @@ def test_tiny_retro_step_compiles_for_a_v5e_slice():
   assert any(k.startswith("backward h_*/mlp") for k in by_part["parts"])
   assert "the compiler's time by part" in aot.format_report(report)
 
+
+def test_tiny_finetuning_step_compiles_on_the_cpu_devices():
+  """Open-QA fine-tuning's own step (train/qa_step.py) over a batch of the longest shapes its
+  batcher lays out (by hand from the config: 8 questions of 32 word pieces, the beam's 8 frozen
+  embeddings of MiniLM's 384, the first 2 blocks read at 96 pieces, 8 gold spans each), compiled
+  on the 8 CPU devices by compile_for's path (a TPU slice's compile of it takes ~11 s more): the
+  question tower and the reader trained, their gradients all-reduced (float32)."""
+  from realm_jax.checkpoints import minilm_dir
+  from realm_jax.configs import finetune as finetune_configs
+  from realm_jax.text.tokenizer import BertTokenizer
+  c = finetune_configs.get_config("tiny")
+  assert steps.trainer_of(c) == "finetune"
+  batch = steps.finetune_batch(c, BertTokenizer(os.path.join(minilm_dir(), "vocab.txt")), 384, 8)
+  assert batch["question"]["input_ids"].shape == (8, 32)
+  assert batch["beam_embeddings"].shape == (8, 8, 384) and batch["beam_mask"].shape == (8, 8)
+  assert batch["reader"]["input_ids"].shape == batch["block_mask"].shape == (8, 2, 96)
+  assert batch["gold_starts"].shape == (8, 2, 8)
+  report = aot.compile_for(c, "finetune", "cpu-8", config_name="tiny")
+  p = report["programs"]["train_step"]
+  assert p["params"] == p["trained_params"] > 0
+  # The float32 gradients all-reduced: those of nearly every parameter (a few get none).
+  assert 0.9 * 4 * p["params"] <= p["collectives"]["all-reduce"]["bytes"] < 1.1 * 4 * p["params"]
+  assert 0 < p["model_flops_per_device"] <= p["flops_per_device"] * 1.01
+  assert p["memory"]["arguments"] >= 12 * p["params"]  # the state: parameters + AdamW moments
+  assert report["programs"]["embed_questions"]["params"] < p["params"]
+
 @needs_libtpu
 def test_flash_attention_compiles_for_a_v5e_slice_split_three_ways():
   """The fused TPU kernel (models/flash.py) runs per device inside the step laid out on a

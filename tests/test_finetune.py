@@ -22,6 +22,7 @@ from realm_jax.retrieval.bm25 import BM25Index
 from realm_jax.systems import open_qa
 from realm_jax.text.answers import exact_match
 from realm_jax.train import finetune
+from realm_jax.train import qa_step
 from realm_jax.train.qa_step import TrainState, qa_train_step
 
 NQ = NQ_OPEN
@@ -198,7 +199,7 @@ def test_reader_waits_for_the_retriever_steps():
   """qa_optimizer: during the retriever-only steps the reader does not move at all (lr 0, no
   decay); then it does. The question tower moves from the first step."""
   c = tiny_config(num_steps=6, retriever_steps=2, warmup_steps=0)
-  _, tx = finetune.qa_optimizer(c)
+  _, tx = qa_step.qa_optimizer(c)
   params = make_params()
   state = TrainState.create(apply_fn=None, params=params, tx=tx)
   step = jax.jit(lambda s, b, r: qa_train_step(s, b, r, models=MODELS))
@@ -222,7 +223,7 @@ def test_reader_waits_for_the_retriever_steps():
     else:
       assert not np.array_equal(new, old), jax.tree_util.keystr(path)
   with pytest.raises(ValueError, match="retriever_steps"):
-    finetune.qa_optimizer(tiny_config(num_steps=4, retriever_steps=4))
+    qa_step.qa_optimizer(tiny_config(num_steps=4, retriever_steps=4))
 
 
 @pytest.mark.slow

@@ -11,12 +11,12 @@ The programs are laid out as the training loop lays them out (realm_jax/sharding
 state split by their logical axes and the config's `sharding_rules`, the batch over "data" and
 "fsdp", an index's rows over "data".
 
-Model FLOPs are XLA's count of the step lowered without layer recomputation, before it is split
-over devices, divided by the devices: everything the step computes once (matmuls, attention,
-softmax, the optimizer), recomputation not counted. MFU = model FLOPs per device /
-(optimal_seconds x the chip's peak dense bf16 FLOP/s), also for float32 configs. XLA's cost
-analysis counts a while loop's body once, so a program with loops (the index search's scan over
-blocks, a step in pieces) gets no MFU.
+Model FLOPs are XLA's count of the step lowered without layer recomputation and dropout, before
+it is split over devices, divided by the devices: everything the step computes once (matmuls,
+attention, softmax, the optimizer), recomputation and dropout's random bits not counted.
+MFU = model FLOPs per device / (optimal_seconds x the chip's peak dense bf16 FLOP/s), also for
+float32 configs. XLA's cost analysis counts a while loop's body once, so a program with loops
+(the index search's scan over blocks, a step in pieces) gets no MFU.
 """
 
 from __future__ import annotations
@@ -106,9 +106,10 @@ def program_flops(program: steps.Program, mesh: Mesh) -> float:
 
 def model_flops(trainer: str, config, index_rows: int = 0) -> dict:
   """{program: FLOPs of one call, all devices together}: each of the trainer's programs built
-  without layer recomputation and counted on a one-device CPU mesh (`program_flops`)."""
+  without layer recomputation and dropout (`steps.counted_config`) and counted on a one-device
+  CPU mesh (`program_flops`)."""
   one = one_device_mesh()
-  plain = steps.PROGRAMS[trainer](steps.without_remat(config, trainer), one, index_rows)
+  plain = steps.PROGRAMS[trainer](steps.counted_config(config, trainer), one, index_rows)
   return {name: program_flops(p, one) for name, p in plain.items()}
 
 

@@ -191,9 +191,9 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _DECLARED_FLOPS = re.compile(r'"cost_estimate"\s*:\s*\{[^}]*"flops"\s*:\s*"?(\d+)')
 # What jax writes into op_name around the model's module path: transformations, jitted helpers,
-# einsum specs and the primitive itself are not modules.
+# a scan's body (closed_call), einsum specs and the primitive itself are not modules.
 _NOT_A_MODULE = re.compile(r"[()<>,.]|->|^(checkpoint|rematted_computation|shard_map|pallas_call"
-                           r"|while|body|cond)$")
+                           r"|closed_call|while|body|cond)$")
 
 
 def _frames(hlo_text: str) -> dict[str, str]:

@@ -228,34 +228,116 @@ def pretrain_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
   }
 
 
+# ------------------------------------------------------------------------ open-QA fine-tuning
+class _OneBlock:
+  """A corpus of one block whose body fills any reader input: what the fine-tuning batcher
+  needs to lay out a batch of the longest shapes it gives."""
+
+  def __init__(self, tokenizer, length: int):
+    word = tokenizer.encode("block")
+    self.block = {"title": "title", "body": " ".join(["block"] * length),
+                  "title_token_ids": tokenizer.encode("title"), "token_ids": word * length}
+
+  def __len__(self) -> int:
+    return 1
+
+  def __getitem__(self, row: int) -> dict:
+    return self.block
+
+
+def finetune_batch(config, tokenizer, dim: int, batch_size: int) -> dict:
+  """A global step batch as the fine-tuning trainer gives it, at the longest shapes its batcher
+  makes (a question of config.question_length word pieces, blocks filling
+  config.reader_length): the real QaBatcher's `train_batch` over a corpus of one long block."""
+  from realm_jax.data.qa_batches import QaBatcher
+  batcher = QaBatcher(_OneBlock(tokenizer, config.reader_length), tokenizer,
+                      question_length=config.question_length,
+                      reader_length=config.reader_length,
+                      max_answer_spans=config.max_answer_spans,
+                      max_span_width=config.max_span_width,
+                      reader_title=config.get("reader_title", True))
+  question = {"question": " ".join(["question"] * config.question_length), "answers": ["block"]}
+  example = batcher.train_batch([question], np.zeros((1, config.beam), np.int64),
+                                np.zeros((1, dim), np.float32), config.reader_blocks)
+  return stacked(jax.tree.map(lambda x: x[0], example), batch_size)
+
+
+def finetune_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
+  """Open-QA fine-tuning's device programs: `train_step` (the question tower over the batch's
+  questions, the retriever's marginal loss over the beam's frozen embeddings, the reader over
+  the beam's first reader_blocks blocks, AdamW on the question tower and the reader) and
+  `embed_questions` (the question tower, which retrieves each step's beams). The models are the
+  config's weights (read, as the trainer reads them; config.init's exports when given); the
+  index search over the frozen index is not included."""
+  del index_rows
+  from realm_jax.models.open_qa import QaModels, qa_params
+  from realm_jax.retrieval import build
+  from realm_jax.systems.open_qa import apply_init, load_reader
+  from realm_jax.train import loop
+  from realm_jax.train.qa_step import TrainState, qa_optimizer, qa_train_step
+  config = apply_init(ml_collections.ConfigDict(config.to_dict()))
+  query = build.towers_of(config.retrieval, "--config.retrieval")["query"]
+  if query.module is None:
+    raise ValueError("--config.retrieval.weights: the weights give no trainable question tower.")
+  reader, reader_params, _ = load_reader(config)
+  shapes = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+  params = shapes(qa_params({"embedder": query.params}, reader_params))
+  _, tx = qa_optimizer(config)
+  state = jax.eval_shape(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx), params)
+  models = QaModels(query.module, reader, float(config.score_scale))
+  embed = lambda p, q: query.module.apply({"params": p}, q["input_ids"], q["attention_mask"],
+                                          q["token_type_ids"])
+  question = finetune_batch(config, query.tokenizer, 1, config.batch_size)["question"]
+  dim = jax.eval_shape(embed, params["query_tower"], question).shape[-1]
+  batch = finetune_batch(config, query.tokenizer, dim, config.batch_size)
+  pieces = loop.microbatch_pieces(config, "reader_microbatch", mesh.devices.size)
+  step = functools.partial(qa_train_step, models=models, dropout=config.dropout, pieces=pieces)
+  return {
+      "train_step": Program(step, (state, batch, abstract_rng(config)),
+                            ("state", "batch", "replicated"), ("state", "replicated"),
+                            donate=(0,), params=count(params), trained=count(params)),
+      "embed_questions": Program(embed, (params["query_tower"], batch["question"]),
+                                 ("state", "batch"), ("replicated",),
+                                 params=count(params["query_tower"])),
+  }
+
+
 def trainer_of(config, flag: str = "--config") -> str:
-  """The trainer whose programs a config's run compiles: "retro" or "pretrain"."""
+  """The trainer whose programs a config's run compiles: "retro", "pretrain" or "finetune"."""
   from realm_jax.train import memory
+  if all(k in config for k in ("retrieval", "reader_weights", "reader_blocks", "beam")):
+    return "finetune"
   try:
     return memory.run_kind(config, flag)
   except ValueError:
     raise ValueError(f"{flag}: compile_for compiles the steps of RETRO "
-                     "(realm_jax/configs/retro.py) and pre-training "
-                     "(realm_jax/configs/pretrain.py) configs; give one of those.") from None
+                     "(realm_jax/configs/retro.py), pre-training (realm_jax/configs/pretrain.py) "
+                     "and fine-tuning (realm_jax/configs/finetune.py) configs; give one of "
+                     "those.") from None
 
 
-# The trainers compile_for knows: their programs for a config on a mesh, and where the config
-# says whether layers are recomputed (model FLOPs are counted without recomputation).
+# The trainers compile_for knows: their programs for a config on a mesh, and the settings their
+# model FLOPs are counted without: layer recomputation and dropout (`counted_config`).
 PROGRAMS = {"retro": lambda config, mesh, index_rows=0: retro_programs(config),
-            "pretrain": pretrain_programs}
-REMAT_KEYS = {"retro": "model.remat", "pretrain": "remat"}
+            "pretrain": pretrain_programs, "finetune": finetune_programs}
+UNCOUNTED = {"retro": {"model.remat": False, "model.dropout": 0.0},
+             "pretrain": {"remat": False, "dropout": False},
+             "finetune": {"dropout": False}}
 
 
-def without_remat(config, trainer: str):
-  """A copy of `config` whose step recomputes nothing and attends densely: the FLOPs the
-  model's arithmetic needs, countable on the CPU (a fused TPU attention kernel is not; the full
-  [L, L] scores are counted, as MFU conventionally does, though a causal kernel skips half)."""
+def counted_config(config, trainer: str):
+  """A copy of `config` whose step does what the model's arithmetic needs and nothing else,
+  countable on the CPU: it recomputes no layer, draws no dropout bits (on one device their
+  generator runs in a loop, whose body XLA's count sees once; the masks themselves cost next to
+  nothing) and attends densely (a fused TPU attention kernel is not countable; the full [L, L]
+  scores are counted, as MFU conventionally does, though a causal kernel skips half)."""
   config = ml_collections.ConfigDict(config.to_dict())
-  node = config
-  *parents, last = REMAT_KEYS[trainer].split(".")
-  for p in parents:
-    node = node[p]
-  node[last] = False
+  for key, value in UNCOUNTED[trainer].items():
+    node = config
+    *parents, last = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[last] = value
   if "attention" in config.get("model", {}):
     config.model.attention = "dense"
   return config

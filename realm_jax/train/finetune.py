@@ -27,7 +27,6 @@ import os
 
 import jax
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 
 from realm_jax import config_checks
@@ -42,8 +41,8 @@ from realm_jax.retrieval.index import index_options
 from realm_jax.checkpoints import training as checkpoints
 from realm_jax.systems.open_qa import (BEST, QaSetup, apply_init, check_best, load_reader,
                                        split_questions)
-from realm_jax.train import loop, optimizer
-from realm_jax.train.qa_step import qa_train_step, summarize_qa
+from realm_jax.train import loop
+from realm_jax.train.qa_step import qa_optimizer, qa_train_step, summarize_qa
 
 # Settings a resumed run must keep: the shapes of parameters, the questions and their splits,
 # what the reader and retriever read and how their scores are scaled.
@@ -130,24 +129,6 @@ def best_record(manager: ocp.CheckpointManager, params) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------- train
-def qa_optimizer(config) -> tuple[dict, optax.GradientTransformation]:
-  """({"query_tower", "reader"} schedules, AdamW): the question tower's BERT schedule runs over
-  all config.num_steps; the reader's starts after the config.retriever_steps retriever-only steps
-  (its own warmup, then linear decay to the end), each part clipped on its own."""
-  if not 0 <= config.retriever_steps < config.num_steps:
-    raise ValueError(f"--config.retriever_steps={config.retriever_steps} must be in [0, "
-                     f"--config.num_steps={config.num_steps}).")
-  warmup = None if config.warmup_steps < 0 else config.warmup_steps
-  schedules = {
-      "query_tower": optimizer.bert_schedule(config.learning_rate, config.num_steps, warmup),
-      "reader": optimizer.delayed_schedule(config.learning_rate, config.num_steps,
-                                           config.retriever_steps, warmup)}
-  parts = {k: optimizer.adamw_with(v, config.weight_decay, clip_norm=config.clip_norm)
-           for k, v in schedules.items()}
-  labels = lambda params: {k: jax.tree.map(lambda _, k=k: k, v) for k, v in params.items()}
-  return schedules, optax.multi_transform(parts, labels)
-
-
 def check_counts(config) -> None:
   """ValueError naming the first count of `config` out of range (a zero period divided by zero
   after the first step; a negative limit dropped the last questions)."""

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from realm_jax.models.dropout import Rows
 from realm_jax.models.open_qa import QaModels, bert_inputs, qa_beam_logits, whole_word_spans
 from realm_jax.models.reader import correct_spans, marginal_nll
+from realm_jax.train import optimizer
 from realm_jax.train.realm_step import TrainState, grads_step, join_pieces, split_pieces
 
 Array = jax.Array
@@ -201,6 +203,24 @@ def summarize_qa(sums: dict) -> dict[str, float]:
     if k in sums:
       out[k] = float(sums[k])
   return out
+
+
+def qa_optimizer(config) -> tuple[dict, optax.GradientTransformation]:
+  """({"query_tower", "reader"} schedules, AdamW): the question tower's BERT schedule runs over
+  all config.num_steps; the reader's starts after the config.retriever_steps retriever-only steps
+  (its own warmup, then linear decay to the end), each part clipped on its own."""
+  if not 0 <= config.retriever_steps < config.num_steps:
+    raise ValueError(f"--config.retriever_steps={config.retriever_steps} must be in [0, "
+                     f"--config.num_steps={config.num_steps}).")
+  warmup = None if config.warmup_steps < 0 else config.warmup_steps
+  schedules = {
+      "query_tower": optimizer.bert_schedule(config.learning_rate, config.num_steps, warmup),
+      "reader": optimizer.delayed_schedule(config.learning_rate, config.num_steps,
+                                           config.retriever_steps, warmup)}
+  parts = {k: optimizer.adamw_with(v, config.weight_decay, clip_norm=config.clip_norm)
+           for k, v in schedules.items()}
+  labels = lambda params: {k: jax.tree.map(lambda _, k=k: k, v) for k, v in params.items()}
+  return schedules, optax.multi_transform(parts, labels)
 
 
 def qa_train_step(state: TrainState, batch: dict, rng: Array, *,
