@@ -287,8 +287,9 @@ def finetune_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
   models = QaModels(query.module, reader, float(config.score_scale))
   embed = lambda p, q: query.module.apply({"params": p}, q["input_ids"], q["attention_mask"],
                                           q["token_type_ids"])
-  question = finetune_batch(config, query.tokenizer, 1, config.batch_size)["question"]
-  dim = jax.eval_shape(embed, params["query_tower"], question).shape[-1]
+  ids = jax.ShapeDtypeStruct((1, config.question_length), np.int32)
+  dim = jax.eval_shape(embed, params["query_tower"], dict.fromkeys(
+      ("input_ids", "attention_mask", "token_type_ids"), ids)).shape[-1]
   batch = finetune_batch(config, query.tokenizer, dim, config.batch_size)
   pieces = loop.microbatch_pieces(config, "reader_microbatch", mesh.devices.size)
   step = functools.partial(qa_train_step, models=models, dropout=config.dropout, pieces=pieces)
