@@ -32,8 +32,10 @@ _TOPOLOGY = flags.DEFINE_string("topology", None, "The slice to compile for: v5e
 _MESH = flags.DEFINE_string("mesh", "", "Mesh axes and sizes, e.g. data=-1 or data=32,fsdp=8 "
                             "(-1: the rest of the devices; default: the config's mesh). The "
                             "parameters are split by the config's sharding_rules.")
-_ROWS = flags.DEFINE_integer("index_rows", 0, "Pre-training: rows of the index searched (0: the "
-                             "config's corpus when known, full Wikipedia's 13,353,718).")
+_ROWS = flags.DEFINE_integer("index_rows", 0, "Pre-training and fine-tuning: rows of the index "
+                             "searched (0: the config's corpus when known, full Wikipedia's "
+                             "13,353,718; fine-tuning over another corpus compiles no search "
+                             "without it).")
 _OUT = flags.DEFINE_string("out", "", "Write the report as JSON here.")
 flags.mark_flags_as_required(["config", "topology"])
 

@@ -402,8 +402,9 @@ def test_tiny_finetuning_step_compiles_on_the_cpu_devices():
   """Open-QA fine-tuning's own step (train/qa_step.py) over a batch of the longest shapes its
   batcher lays out (by hand from the config: 8 questions of 32 word pieces, the beam's 8 frozen
   embeddings of MiniLM's 384, the first 2 blocks read at 96 pieces, 8 gold spans each), compiled
-  on the 8 CPU devices by compile_for's path (a TPU slice's compile of it takes ~11 s more): the
-  question tower and the reader trained, their gradients all-reduced (float32)."""
+  on the 8 CPU devices by compile_for's path (a TPU slice's compile of it takes ~11 s more), with
+  the search for the beams over an index of 40 rows: the question tower and the reader trained,
+  their gradients all-reduced (float32)."""
   from realm_jax.checkpoints import minilm_dir
   from realm_jax.configs import finetune as finetune_configs
   from realm_jax.text.tokenizer import BertTokenizer
@@ -414,7 +415,8 @@ def test_tiny_finetuning_step_compiles_on_the_cpu_devices():
   assert batch["beam_embeddings"].shape == (8, 8, 384) and batch["beam_mask"].shape == (8, 8)
   assert batch["reader"]["input_ids"].shape == batch["block_mask"].shape == (8, 2, 96)
   assert batch["gold_starts"].shape == (8, 2, 8)
-  report = aot.compile_for(c, "finetune", "cpu-8", config_name="tiny")
+  report = aot.compile_for(c, "finetune", "cpu-8", index_rows=40, config_name="tiny")
+  assert set(report["programs"]) == {"train_step", "embed_questions", "search"}
   p = report["programs"]["train_step"]
   assert p["params"] == p["trained_params"] > 0
   # The float32 gradients all-reduced: those of nearly every parameter (a few get none).

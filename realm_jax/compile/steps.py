@@ -159,14 +159,16 @@ def pretrain_batch(config, batch_size: int) -> dict:
   return stacked(jax.tree.map(lambda x: x[0], example), batch_size)
 
 
-def search_program(config, mesh, rows: int, dim: int) -> Program | None:
-  """One call of the index search a pre-training step makes (config.index: "exact" or "approx"
-  on the devices; None for a host searcher such as ScaNN): the global batch's query embeddings
-  against `rows` rows of `dim` sharded over the mesh's "data" axis, the query's own block
-  excluded, top num_candidates - 1 (retrieval/exact.py, with ExactSearcher's defaults)."""
+def search_program(index_config, mesh, rows: int, dim: int, batch_size: int,
+                   k: int) -> Program | None:
+  """One call of a trainer's index search (`index_config`: a config's `index` section, "exact"
+  or "approx" on the devices; None for a host searcher such as ScaNN): the global batch's
+  `batch_size` query embeddings against `rows` rows of `dim` sharded over the mesh's "data"
+  axis, one block excluded per query, top `k` (retrieval/exact.py, with ExactSearcher's
+  defaults)."""
   from realm_jax.retrieval import exact
   from realm_jax.retrieval.index import index_options
-  options = index_options(config.index)
+  options = index_options(index_config)
   if options["searcher"] not in ("exact", "approx"):
     return None
   shards = mesh.shape["data"]
@@ -177,13 +179,12 @@ def search_program(config, mesh, rows: int, dim: int) -> Program | None:
       rows, mesh, block_rows,
       recall_target=exact.RECALL_TARGET if options["searcher"] == "approx" else None)
   held = exact.BITS.get(np.dtype(options["dtype"]), np.dtype(options["dtype"]))
-  q = exact.query_batch(config.batch_size, qbs)
-  k = config.num_candidates - 1
+  q = exact.query_batch(batch_size, qbs)
   args = (jax.ShapeDtypeStruct((shards * shard_rows, dim), held),
           jax.ShapeDtypeStruct((q, dim), np.float32), jax.ShapeDtypeStruct((q, 1), np.int32))
   return Program(lambda emb, queries, exclude: search(emb, queries, exclude, k), args,
                  ("rows", "replicated", "replicated"), ("replicated",),
-                 calls=-(-config.batch_size // q))
+                 calls=-(-batch_size // q))
 
 
 def pretrain_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
@@ -213,7 +214,8 @@ def pretrain_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
       {"params": p}, q["input_ids"], q["attention_mask"], q["token_type_ids"],
       method="embed_queries")
   dim = jax.eval_shape(embed, params["retriever"], batch["query"]).shape[-1]
-  search = search_program(config, mesh, rows, dim)
+  search = search_program(config.index, mesh, rows, dim, config.batch_size,
+                          config.num_candidates - 1)  # (the query's own block excluded)
   return {
       "train_step": Program(step, (state, batch, abstract_rng(config)),
                             ("state", "batch", "replicated"), ("state", "replicated"),
@@ -266,14 +268,14 @@ def finetune_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
   """Open-QA fine-tuning's device programs: `train_step` (the question tower over the batch's
   questions, the retriever's marginal loss over the beam's frozen embeddings, the reader over
   the beam's first reader_blocks blocks, AdamW on the question tower and the reader) and
-  `embed_questions` (the question tower, which retrieves each step's beams). The models are the
-  config's weights (read, as the trainer reads them; config.init's exports when given); the
-  index search over the frozen index is not included."""
-  del index_rows
+  `embed_questions` (the question tower, which retrieves each step's beams) and, when the index's
+  size is known (`index_rows`, or Wikipedia's 13.35M blocks for a tfds_wikipedia corpus),
+  `search` (one call of the search for the beams over the frozen index). The models are the
+  config's weights (read, as the trainer reads them; config.init's exports when given)."""
   from realm_jax.models.open_qa import QaModels, qa_params
   from realm_jax.retrieval import build
   from realm_jax.systems.open_qa import apply_init, load_reader
-  from realm_jax.train import loop
+  from realm_jax.train import loop, memory
   from realm_jax.train.qa_step import TrainState, qa_optimizer, qa_train_step
   config = apply_init(ml_collections.ConfigDict(config.to_dict()))
   query = build.towers_of(config.retrieval, "--config.retrieval")["query"]
@@ -293,6 +295,12 @@ def finetune_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
   batch = finetune_batch(config, query.tokenizer, dim, config.batch_size)
   pieces = loop.microbatch_pieces(config, "reader_microbatch", mesh.devices.size)
   step = functools.partial(qa_train_step, models=models, dropout=config.dropout, pieces=pieces)
+  try:
+    rows = index_rows or memory.index_rows_for(config.retrieval)
+  except ValueError:  # a corpus not built yet: its size is not known
+    rows = 0
+  search = (search_program(config.retrieval.index, mesh, rows, dim, config.batch_size,
+                           config.beam) if rows else None)
   return {
       "train_step": Program(step, (state, batch, abstract_rng(config)),
                             ("state", "batch", "replicated"), ("state", "replicated"),
@@ -300,6 +308,7 @@ def finetune_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
       "embed_questions": Program(embed, (params["query_tower"], batch["question"]),
                                  ("state", "batch"), ("replicated",),
                                  params=count(params["query_tower"])),
+      **({"search": search} if search else {}),
   }
 
 
