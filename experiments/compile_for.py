@@ -24,9 +24,8 @@ from absl import flags
 
 from realm_jax import cli
 
-_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/retro.py:<variant>, "
-                            "realm_jax/configs/pretrain.py:<variant> or "
-                            "realm_jax/configs/finetune.py:<variant>).")
+_CONFIG = cli.define_config("config", None, "Config file (realm_jax/configs/<trainer>.py:<variant> "
+                            "of retro, pretrain, finetune, ict or dpr).")
 _TOPOLOGY = flags.DEFINE_string("topology", None, "The slice to compile for: v5e-256, v4-64, "
                                 "v5p-128, v6e-8, v5e:16x16, cpu-8, ...")
 _MESH = flags.DEFINE_string("mesh", "", "Mesh axes and sizes, e.g. data=-1 or data=32,fsdp=8 "

@@ -258,7 +258,7 @@ def _newer_cases(files):
        ["--topology=v5e-8", "--config=" + CONFIGS["retro_train"],
         "--config.sharding_rules=layers=fsdp"], ["'layers' is not a logical axis"]),
       ("compile_for-config-of-no-step", "compile_for",
-       ["--topology=v5e-8", "--config=" + CONFIGS["ict"]], ["RETRO", "fine-tuning"]),
+       ["--topology=v5e-8", "--config=" + CONFIGS["build_index"]], ["RETRO", "DPR"]),
       # A fine-tuning config whose weights are not there: refused before the models are built.
       ("compile_for-finetune-without-weights", "compile_for",
        ["--topology=v5e-8", "--config=realm_jax/configs/finetune.py:paper"],

@@ -425,6 +425,30 @@ def test_tiny_finetuning_step_compiles_on_the_cpu_devices():
   assert p["memory"]["arguments"] >= 12 * p["params"]  # the state: parameters + AdamW moments
   assert report["programs"]["embed_questions"]["params"] < p["params"]
 
+
+def test_ict_and_dpr_steps_compile_on_the_cpu_devices():
+  """The retriever trainers' own steps (train/retriever_step.py) on the 8 CPU devices: ICT's
+  compiled (both towers trained, their float32 gradients all-reduced), DPR's built and lowered
+  over the pairs its pipeline gives at the tiny config's lengths (by hand: 8 questions of 32
+  word pieces, 8 positives and 8 hard negatives of the index's 64)."""
+  from realm_jax.configs import dpr as dpr_configs
+  from realm_jax.configs import ict as ict_configs
+  ict, dpr = ict_configs.get_config("tiny"), dpr_configs.get_config("tiny")
+  assert (steps.trainer_of(ict), steps.trainer_of(dpr)) == ("ict", "dpr")
+  report = aot.compile_for(ict, "ict", "cpu-8", config_name="tiny")
+  p = report["programs"]["train_step"]
+  assert p["params"] == p["trained_params"] > 0
+  assert 0.9 * 4 * p["params"] <= p["collectives"]["all-reduce"]["bytes"] < 1.1 * 4 * p["params"]
+  assert 0 < p["model_flops_per_device"] <= p["flops_per_device"] * 1.01
+  mesh = sharding.make_mesh(jax.devices("cpu"), {"data": 8, "fsdp": 1, "tensor": 1})
+  program = steps.PROGRAMS["dpr"](dpr, mesh)["train_step"]
+  batch = program.args[1]
+  assert batch["question"]["input_ids"].shape == (8, 32)
+  assert batch["positive"]["input_ids"].shape == batch["hard_negative"]["input_ids"].shape == (
+      8, 64)
+  metrics = aot.lower(program, mesh).out_info[1]
+  assert {"loss", "accuracy", "skipped"} <= set(metrics)
+
 @needs_libtpu
 def test_flash_attention_compiles_for_a_v5e_slice_split_three_ways():
   """The fused TPU kernel (models/flash.py) runs per device inside the step laid out on a

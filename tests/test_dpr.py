@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import NQ_OPEN, ROOT, one_device_env, random_inputs
 from realm_jax.models import RealmRetriever, tiny_config
 from realm_jax.text.answers import normalize_answer
-from realm_jax.train import dpr
+from realm_jax.train import dpr, retriever_step
 from realm_jax.train.optimizer import bert_adamw
 from realm_jax.train.realm_step import TrainState
 
@@ -69,7 +69,7 @@ def test_in_batch_loss_on_8_devices_equals_one_device_and_numpy():
   got = {}
   for n in (8, 1):
     mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
-    loss = jax.jit(lambda prm, b: dpr.dpr_loss(prm, b, model, SCALE),
+    loss = jax.jit(lambda prm, b: retriever_step.dpr_loss(prm, b, model, SCALE),
                    in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))))
     got[n] = jax.device_get(loss(params, batch))
   assert got[8][0] == pytest.approx(want, rel=1e-4) and got[1][0] == pytest.approx(want, rel=1e-4)
@@ -89,7 +89,8 @@ def test_sharded_step_equals_one_device():
   for n in (8, 1):
     mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
     replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    step = jax.jit(functools.partial(dpr.dpr_step, model=model, score_scale=SCALE, dropout=False),
+    step = jax.jit(functools.partial(retriever_step.dpr_step, model=model, score_scale=SCALE,
+                                     dropout=False),
                    in_shardings=(replicated, data, replicated),
                    out_shardings=(replicated, replicated), donate_argnums=0)
     state = jax.jit(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx),

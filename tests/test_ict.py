@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from realm_jax.models import RealmRetriever, tiny_config
-from realm_jax.train import ict
+from realm_jax.train import ict, retriever_step, two_towers
 from realm_jax.train.optimizer import bert_adamw
 from realm_jax.train.realm_step import TrainState
 
@@ -51,7 +51,7 @@ def test_sharded_step_equals_one_device_with_negatives_from_the_global_batch():
   for n in (8, 1):
     mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
     replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    step = jax.jit(functools.partial(ict.ict_step, model=model, dropout=False),
+    step = jax.jit(functools.partial(retriever_step.ict_step, model=model, dropout=False),
                    in_shardings=(replicated, data, replicated),
                    out_shardings=(replicated, replicated), donate_argnums=0)
     state = jax.jit(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx),
@@ -81,7 +81,7 @@ def test_sharded_step_equals_one_device_with_negatives_from_the_global_batch():
 
 def test_in_batch_metrics_by_hand():
   logits = np.array([[3., 1., 0.], [2., 1., 5.], [0., 4., 9.]], np.float32)
-  loss, m = ict.in_batch_metrics(logits)
+  loss, m = two_towers.in_batch_metrics(logits)
   assert float(m["accuracy"]) == pytest.approx(2 / 3)                # rows 0 and 2 right
   assert float(m["mean_rank"]) == pytest.approx((1 + 3 + 1) / 3)
   assert float(m["recall_at_5"]) == 1.0

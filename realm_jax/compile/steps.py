@@ -312,27 +312,70 @@ def finetune_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
   }
 
 
+# ------------------------------------------------------------------------------ ICT and DPR
+def retriever_programs(config, kind: str) -> dict[str, Program]:
+  """ICT's or DPR's `train_step` (train/retriever_step.py, `kind` "ict" or "dpr"): both towers
+  over the batch, the in-batch softmax over the global batch (every query against every
+  document, or passage, of every device), AdamW. The towers have the shapes of config.init's
+  weights (`random`: config.model's, no weights read); the batch, the pairs the trainer's
+  pipeline gives at the config's lengths."""
+  from realm_jax.train import optimizer, retriever_step, two_towers
+  from realm_jax.train.realm_step import TrainState
+  model, _, _ = two_towers.build_retriever(config)
+  keys = ("input_ids", "attention_mask", "token_type_ids")
+  query = dict.fromkeys(keys, jax.ShapeDtypeStruct((1, 8), np.int32))
+  candidates = dict.fromkeys(keys, jax.ShapeDtypeStruct((1, 1, 8), np.int32))
+  params = jax.eval_shape(lambda r, q, c: model.init(r, q, c)["params"], jax.random.key(0),
+                          query, candidates)
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), params)
+  _, tx = optimizer.from_config(config)
+  state = jax.eval_shape(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx), params)
+  inputs = lambda length: stacked(dict.fromkeys(keys, np.zeros(length, np.int32)),
+                                  config.batch_size)
+  scale = float(config.get("score_scale", 1.0))
+  if kind == "ict":
+    batch = {"query": inputs(config.query_length), "document": inputs(config.doc_length)}
+    step = functools.partial(retriever_step.ict_step, model=model, dropout=config.dropout,
+                             score_scale=scale)
+  else:
+    passage = retriever_step.passage_length(config)
+    batch = {"question": inputs(config.question_length), "positive": inputs(passage),
+             "hard_negative": inputs(passage)}
+    step = functools.partial(retriever_step.dpr_step, model=model, score_scale=scale,
+                             dropout=config.dropout)
+  return {"train_step": Program(step, (state, batch, abstract_rng(config)),
+                                ("state", "batch", "replicated"), ("state", "replicated"),
+                                donate=(0,), params=count(params), trained=count(params))}
+
+
 def trainer_of(config, flag: str = "--config") -> str:
-  """The trainer whose programs a config's run compiles: "retro", "pretrain" or "finetune"."""
+  """The trainer whose programs a config's run compiles: "retro", "pretrain", "finetune", "ict"
+  or "dpr"."""
   from realm_jax.train import memory
   if all(k in config for k in ("retrieval", "reader_weights", "reader_blocks", "beam")):
     return "finetune"
+  if all(k in config for k in ("query_length", "doc_length", "remove_prob")):
+    return "ict"
+  if all(k in config for k in ("question_length", "passage_length", "bm25_depth")):
+    return "dpr"
   try:
     return memory.run_kind(config, flag)
   except ValueError:
     raise ValueError(f"{flag}: compile_for compiles the steps of RETRO "
-                     "(realm_jax/configs/retro.py), pre-training (realm_jax/configs/pretrain.py) "
-                     "and fine-tuning (realm_jax/configs/finetune.py) configs; give one of "
+                     "(realm_jax/configs/retro.py), pre-training (pretrain.py), fine-tuning "
+                     "(finetune.py), ICT (ict.py) and DPR (dpr.py) configs; give one of "
                      "those.") from None
 
 
 # The trainers compile_for knows: their programs for a config on a mesh, and the settings their
 # model FLOPs are counted without: layer recomputation and dropout (`counted_config`).
 PROGRAMS = {"retro": lambda config, mesh, index_rows=0: retro_programs(config),
-            "pretrain": pretrain_programs, "finetune": finetune_programs}
+            "pretrain": pretrain_programs, "finetune": finetune_programs,
+            "ict": lambda config, mesh, index_rows=0: retriever_programs(config, "ict"),
+            "dpr": lambda config, mesh, index_rows=0: retriever_programs(config, "dpr")}
 UNCOUNTED = {"retro": {"model.remat": False, "model.dropout": 0.0},
              "pretrain": {"remat": False, "dropout": False},
-             "finetune": {"dropout": False}}
+             "finetune": {"dropout": False}, "ict": {"dropout": False}, "dpr": {"dropout": False}}
 
 
 def counted_config(config, trainer: str):

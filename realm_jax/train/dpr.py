@@ -24,7 +24,6 @@ import logging
 import os
 
 import jax
-import jax.numpy as jnp
 
 from realm_jax import config_checks
 from realm_jax.data.blocks import BLOCKINGS
@@ -32,54 +31,21 @@ from realm_jax.data.dpr import PassageAnswers, dpr_batches, mine_examples
 from realm_jax.data.sources import SOURCES
 from realm_jax.io_utils import as_path, read_json, write_json
 from realm_jax.models.config import COMPUTE_DTYPES
-from realm_jax.models.retriever import RealmRetriever
 from realm_jax.retrieval.bm25 import corpus_bm25
 from realm_jax.retrieval.build import open_corpus
 from realm_jax.systems.open_qa import split_questions
 from realm_jax.text import BertTokenizer
 from realm_jax.text.tokenizer import TRUNCATIONS
 from realm_jax.train import loop, optimizer
-from realm_jax.train.realm_step import TrainState, loss_step
-from realm_jax.train.two_towers import (INITS, RetrieverTrainer, build_retriever, embed,
-                                        in_batch_metrics, init_params)
+from realm_jax.train.retriever_step import dpr_eval_step, dpr_step, passage_length
+from realm_jax.train.two_towers import INITS, RetrieverTrainer, build_retriever, init_params
 
-Array = jax.Array
 EXAMPLES = "examples.json"
 # How the examples in examples.json were mined: a file mined otherwise is not used.
 MINING = "positive: an answer in the passage tower's text; hard negative: none in the whole block"
 # Settings a resumed run must keep: the shapes of parameters and what the examples are made of.
 FIXED_SETTINGS = ("init", "model", "num_layers", "pooling", "retrieval", "data", "bm25_depth",
                   "question_length", "passage_length")
-
-
-def dpr_loss(params, batch: dict, model: RealmRetriever, score_scale: float,
-             dropout_rng: Array | None = None):
-  """In-batch softmax loss of {"question" [B, Lq], "positive" [B, Lp], "hard_negative" [B, Lp]}:
-  (loss, metrics). Question i's label is passage i of the 2B passages [positives; hard
-  negatives]. Under jit with the batch sharded over devices, B is the global batch: XLA gathers
-  the [2B, D] passage embeddings of every device (DPR's cross-device in-batch negatives)."""
-  rq, rp = (None, None) if dropout_rng is None else jax.random.split(dropout_rng)
-  q = embed(params, model, batch["question"], "embed_queries", rq)                # [B, D]
-  passages = {k: jnp.concatenate([batch["positive"][k], batch["hard_negative"][k]])
-              for k in batch["positive"]}                                        # [2B, Lp]
-  p = embed(params, model, passages, "embed_documents", rp)                      # [2B, D]
-  return in_batch_metrics(score_scale * jnp.einsum("qd,pd->qp", q, p))            # [B, 2B]
-
-
-def dpr_step(state: TrainState, batch: dict, rng: Array, *, model: RealmRetriever,
-             score_scale: float, dropout: bool = True) -> tuple[TrainState, dict]:
-  """One AdamW update on the DPR loss; pure, so it jits with the state donated. A step whose loss
-  or gradient is not finite changes nothing and reports `skipped` = 1."""
-  return loss_step(state, lambda p, r: dpr_loss(p, batch, model, score_scale, r), rng, dropout)
-
-
-def eval_step(params, batch: dict, *, model: RealmRetriever, score_scale: float) -> dict:
-  """In-batch metrics without dropout or update."""
-  return dpr_loss(params, batch, model, score_scale)[1]
-
-
-def passage_length(config) -> int:
-  return config.passage_length or config.retrieval.max_length
 
 
 def mined_examples(config, workdir: str, corpus, answers: PassageAnswers) -> dict:
@@ -147,7 +113,7 @@ class DPRTrainer(RetrieverTrainer):
           "--config.eval_every=0.")
     self.schedule, tx = optimizer.from_config(config)
     self.data_iterator = self._batches(train, config.seed, shuffle=True)
-    self.eval_fn = self.jit_eval(functools.partial(eval_step, model=self.model,
+    self.eval_fn = self.jit_eval(functools.partial(dpr_eval_step, model=self.model,
                                                    score_scale=self.score_scale))
     self.start(init_params(config, self.model, self.model_config, jax.random.key(config.seed)),
                tx, functools.partial(dpr_step, model=self.model, score_scale=self.score_scale,

@@ -22,7 +22,6 @@ import os
 
 import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from realm_jax import config_checks
@@ -32,17 +31,15 @@ from realm_jax.data.pretrain import is_heldout
 from realm_jax.data.sources import SOURCES
 from realm_jax.io_utils import as_path
 from realm_jax.models.config import COMPUTE_DTYPES
-from realm_jax.models.retriever import RealmRetriever
 from realm_jax.retrieval.build import open_corpus
 from realm_jax.text import BertTokenizer, join_bert
 from realm_jax.train import loop, optimizer
-from realm_jax.train.realm_step import TrainState, loss_step
+from realm_jax.train.retriever_step import ict_eval_step, ict_step
 # The towers, their starting weights, the in-batch loss and the export (shared with DPR; the
 # export stays importable from here too).
-from realm_jax.train.two_towers import (INITS, RetrieverTrainer, build_retriever, embed,  # noqa: F401
-                                        export_retriever, in_batch_metrics, init_params)
+from realm_jax.train.two_towers import (INITS, RetrieverTrainer, build_retriever,  # noqa: F401
+                                        export_retriever, init_params)
 
-Array = jax.Array
 SPLITS = ("train", "heldout")
 # Settings a resumed run must keep: the shapes of parameters and what the examples are made of.
 FIXED_SETTINGS = ("init", "model", "num_layers", "pooling", "corpus", "query_length",
@@ -184,37 +181,6 @@ def ict_batches(corpus: Corpus, split: str, *, batch_size: int, seed: int, query
 # ---------------------------------------------------------------------------------------------
 
 
-def ict_loss(params, batch: dict, model: RealmRetriever, dropout_rng: Array | None = None,
-             score_scale: float = 1.0):
-  """In-batch softmax loss of a batch {"query" [B, Lq], "document" [B, Ld]}: (loss, metrics), the
-  logits being score_scale x the inner products (1 for REALM's projected [CLS]; cosines of
-  normalised mean pooling need a larger one).
-
-  Under jit with the batch sharded over devices, B is the global batch: the [B, B] logits pair
-  every query with the documents of every device (XLA gathers the [B, D] embeddings), which is
-  ORQA's "negatives gathered across cores".
-  """
-  rq, rd = (None, None) if dropout_rng is None else jax.random.split(dropout_rng)
-  q = embed(params, model, batch["query"], "embed_queries", rq)           # [B, D]
-  d = embed(params, model, batch["document"], "embed_documents", rd)      # [B, D]
-  return in_batch_metrics(score_scale * jnp.einsum("qd,kd->qk", q, d))     # [B, B]
-
-
-def ict_step(state: TrainState, batch: dict, rng: Array, *, model: RealmRetriever,
-             dropout: bool = True, score_scale: float = 1.0) -> tuple[TrainState, dict]:
-  """One AdamW update on the ICT loss; pure, so it jits with the state donated.
-
-  A step whose loss or gradient is not finite changes no parameter or optimiser moment (the step
-  counter still advances) and reports `skipped` = 1.
-  """
-  return loss_step(state, lambda p, r: ict_loss(p, batch, model, r, score_scale), rng, dropout)
-
-
-def eval_step(params, batch: dict, *, model: RealmRetriever, score_scale: float = 1.0) -> dict:
-  """In-batch metrics without dropout or update."""
-  return ict_loss(params, batch, model, score_scale=score_scale)[1]
-
-
 # ---------------------------------------------------------------------------------------------
 # Training loop
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +209,8 @@ class ICTTrainer(RetrieverTrainer):
     self.schedule, tx = optimizer.from_config(config)
     self.data_iterator = self._batches("train", config.seed)
     scale = float(config.get("score_scale", 1.0))
-    self.eval_fn = self.jit_eval(functools.partial(eval_step, model=self.model, score_scale=scale))
+    self.eval_fn = self.jit_eval(functools.partial(ict_eval_step, model=self.model,
+                                                   score_scale=scale))
     self.start(init_params(config, self.model, self.model_config, jax.random.key(config.seed)),
                tx, functools.partial(ict_step, model=self.model, dropout=config.dropout,
                                      score_scale=scale))
