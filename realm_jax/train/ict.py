@@ -176,13 +176,9 @@ def ict_batches(corpus: Corpus, split: str, *, batch_size: int, seed: int, query
   # None (skipped blocks) drops out when the map dataset becomes an iterable one.
   return iter(ds.to_iter_dataset(read_options).batch(batch_size, drop_remainder=True))
 
-# ---------------------------------------------------------------------------------------------
-# Loss and step
-# ---------------------------------------------------------------------------------------------
-
 
 # ---------------------------------------------------------------------------------------------
-# Training loop
+# Training loop (the loss and step: realm_jax/train/retriever_step.py)
 # ---------------------------------------------------------------------------------------------
 
 

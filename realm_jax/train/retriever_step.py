@@ -50,6 +50,7 @@ def ict_eval_step(params, batch: dict, *, model: RealmRetriever, score_scale: fl
 
 # ------------------------------------------------------------------------------------------- DPR
 def passage_length(config) -> int:
+  """Word pieces of a DPR passage input: config.passage_length, or (0) the index's max_length."""
   return config.passage_length or config.retrieval.max_length
 
 
