@@ -36,7 +36,7 @@ _BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f1
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")  # name, the rest
 _CALLS = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|true_computation|"
                     r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
@@ -98,7 +98,7 @@ def collectives(hlo_text: str) -> dict:
     inst = _INSTRUCTION.match(line)
     if not inst or computation is None:
       continue
-    shape, after = _split_shape(inst.group(1))
+    shape, after = _split_shape(inst.group(2))
     opcode = _opcode(after)
     kind = _kind(opcode)
     if kind:
@@ -255,7 +255,7 @@ def time_by_part(hlo_text: str) -> dict:
                                                              "instructions": 0})
   kernels = {"count": 0, "declared_flops": 0}
   for line in hlo_text.splitlines():
-    found = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
+    found = _INSTRUCTION.match(line)
     if not found:
       continue
     shape, after = _split_shape(found.group(2))
@@ -286,9 +286,17 @@ def time_by_block(by_part: dict) -> dict[str, float]:
   together and module paths cut to two names (`h_*/encoder`, `h_*/mlp`), largest first."""
   blocks: dict[str, int] = collections.defaultdict(int)
   for part, p in by_part["parts"].items():
-    phase, _, path = part.partition(" ")
-    key = part if phase == "optimizer" else ("/".join(path.split("/")[:2]) if ":" not in path
-                                             else path.split(":")[0].rsplit("/", 1)[-1])
-    blocks[key] += p["cycles"]
+    blocks[_block(part)] += p["cycles"]
   total = by_part["cycles"] or 1
   return {k: v / total for k, v in sorted(blocks.items(), key=lambda kv: -kv[1])}
+
+
+def _block(part: str) -> str:
+  """The block of a `part_of` part: "optimizer", a module path's first two names, or (outside
+  any module) the source file's name."""
+  if part == "optimizer":
+    return part
+  path = part.partition(" ")[2]
+  if ":" in path:
+    return path.split(":")[0].rsplit("/", 1)[-1]
+  return "/".join(path.split("/")[:2])
