@@ -137,6 +137,8 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_collection_finish(session):
+  from cli_forks import collect_less_often
+  collect_less_often()  # the test modules' imports made
   if session.config.option.collectonly or _XDIST_WORKER:
     return
   for item in session.items:
