@@ -6,6 +6,10 @@ import sys
 
 import pytest
 
+from cli_forks import collect_less_often, freeze_imports
+
+collect_less_often()  # before the test modules import JAX, PyTorch and transformers
+
 # Must happen before jax is imported anywhere. The suite's time is mostly XLA compiling tiny models
 # (backend compilation was half of the quick tests' time), and LLVM at -O0 compiles them faster:
 # 37% less time for test_pieces.py and test_retro_model.py's quick tests, 15% for test_pretrain.py
@@ -137,8 +141,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_collection_finish(session):
-  from cli_forks import collect_less_often
-  collect_less_often()  # the test modules' imports made
+  freeze_imports()  # the test modules' imports made
   if session.config.option.collectonly or _XDIST_WORKER:
     return
   for item in session.items:

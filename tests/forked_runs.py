@@ -35,7 +35,8 @@ import tempfile
 import threading
 import time
 
-from cli_forks import ROOT, collect_less_often, import_what_scripts_import, run_in_child
+from cli_forks import (ROOT, collect_less_often, freeze_imports, import_what_scripts_import,
+                       run_in_child)
 
 # Read by the child only (XLA reads its flags when the child first uses it; pytest names the
 # running test); and every REALM_* variable.
@@ -241,6 +242,7 @@ def _report(conn: socket.socket, wait_status: int) -> None:
 
 def serve(path: str) -> None:
   """Imports what the scripts import, then forks a child per request until stdin closes."""
+  collect_less_often()  # (the runs forked from here inherit it)
   import_what_scripts_import(n[:-3] for n in os.listdir(os.path.join(ROOT, "experiments"))
                              if n.endswith(".py"))
   # Imported inside the runs, not at the top of the scripts.
@@ -250,7 +252,7 @@ def serve(path: str) -> None:
   import orbax.checkpoint  # noqa: F401
   from jax._src import xla_bridge
   assert not xla_bridge._backends, "an import started JAX's backend: forks would share it"  # pylint: disable=protected-access
-  collect_less_often()  # (the runs forked from here inherit it)
+  freeze_imports()
   listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
   listener.bind(path)
   listener.listen(16)
