@@ -60,3 +60,17 @@ def workdir(path: str) -> None:
   p = as_path(path)
   if p.exists() and not p.is_dir():
     raise ValueError(f"--workdir={path} is a file: give a directory (it is created if missing).")
+
+
+# Keys only one trainer's configs have (realm_jax/configs/<kind>.py), checked in this order.
+_KIND_KEYS = (("finetune", ("retrieval", "reader_weights", "reader_blocks", "beam")),
+              ("ict", ("query_length", "doc_length", "remove_prob")),
+              ("dpr", ("question_length", "passage_length", "bm25_depth")),
+              ("retro", ("db", "model")),
+              ("pretrain", ("num_candidates", "slice", "corpus", "index", "model")))
+
+
+def config_kind(config) -> str | None:
+  """The trainer a config is for: "finetune", "ict", "dpr", "retro" or "pretrain"; None for any
+  other (an index build's, the ablations')."""
+  return next((kind for kind, keys in _KIND_KEYS if all(k in config for k in keys)), None)

@@ -29,7 +29,7 @@ def collect_less_often() -> None:
   """Python's cyclic garbage collector set for a process that imports JAX and then traces many
   programs: the young generations collected ~30x less often. Call it before the imports, and
   `freeze_imports` after them. tests/test_retro_model.py under `perf`: the collector's share of
-  the CPU 1.7% instead of 5.8%; collecting the suite's tests 5.0 instead of 6.8 CPU-seconds
+  the CPU 1.7% instead of 5.8%; collecting the suite's tests 4.6-4.8 instead of 6.8 CPU-seconds
   (docs/notes.md, 2026-12-01)."""
   gc.set_threshold(20000, 20, 20)
 

@@ -22,6 +22,8 @@ import jax
 import ml_collections
 import numpy as np
 
+from realm_jax import config_checks
+
 ROLES = ("state", "batch", "replicated", "rows")
 
 
@@ -282,8 +284,7 @@ def finetune_programs(config, mesh, index_rows: int = 0) -> dict[str, Program]:
   if query.module is None:
     raise ValueError("--config.retrieval.weights: the weights give no trainable question tower.")
   reader, reader_params, _ = load_reader(config)
-  shapes = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-  params = shapes(qa_params({"embedder": query.params}, reader_params))
+  params = jax.eval_shape(qa_params, {"embedder": query.params}, reader_params)
   _, tx = qa_optimizer(config)
   state = jax.eval_shape(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx), params)
   models = QaModels(query.module, reader, float(config.score_scale))
@@ -350,21 +351,14 @@ def retriever_programs(config, kind: str) -> dict[str, Program]:
 
 def trainer_of(config, flag: str = "--config") -> str:
   """The trainer whose programs a config's run compiles: "retro", "pretrain", "finetune", "ict"
-  or "dpr"."""
-  from realm_jax.train import memory
-  if all(k in config for k in ("retrieval", "reader_weights", "reader_blocks", "beam")):
-    return "finetune"
-  if all(k in config for k in ("query_length", "doc_length", "remove_prob")):
-    return "ict"
-  if all(k in config for k in ("question_length", "passage_length", "bm25_depth")):
-    return "dpr"
-  try:
-    return memory.run_kind(config, flag)
-  except ValueError:
+  or "dpr" (config_checks.config_kind)."""
+  kind = config_checks.config_kind(config)
+  if kind is None:
     raise ValueError(f"{flag}: compile_for compiles the steps of RETRO "
                      "(realm_jax/configs/retro.py), pre-training (pretrain.py), fine-tuning "
                      "(finetune.py), ICT (ict.py) and DPR (dpr.py) configs; give one of "
-                     "those.") from None
+                     "those.")
+  return kind
 
 
 # The trainers compile_for knows: their programs for a config on a mesh, and the settings their
@@ -385,12 +379,7 @@ def counted_config(config, trainer: str):
   nothing) and attends densely (a fused TPU attention kernel is not countable; the full [L, L]
   scores are counted, as MFU conventionally does, though a causal kernel skips half)."""
   config = ml_collections.ConfigDict(config.to_dict())
-  for key, value in UNCOUNTED[trainer].items():
-    node = config
-    *parents, last = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[last] = value
+  config.update_from_flattened_dict(UNCOUNTED[trainer])
   if "attention" in config.get("model", {}):
     config.model.attention = "dense"
   return config

@@ -85,10 +85,9 @@ def run_kind(config, flag: str = "--config") -> str:
   Raises:
     ValueError naming `flag` for any other config (ICT, DPR, fine-tuning, ...).
   """
-  if "db" in config and "model" in config:
-    return "retro"
-  if all(k in config for k in ("num_candidates", "slice", "corpus", "index", "model")):
-    return "pretrain"
+  kind = config_checks.config_kind(config)
+  if kind in ("pretrain", "retro"):
+    return kind
   raise ValueError(f"{flag}: the memory estimate is for pre-training and RETRO runs; give a "
                    "config of realm_jax/configs/pretrain.py or realm_jax/configs/retro.py.")
 
