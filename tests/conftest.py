@@ -176,6 +176,19 @@ def pytest_sessionfinish(session, exitstatus):
   if _OWN_CACHE is not None:
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+  """A worker has sent its results by now (pytest-xdist sends them at pytest_sessionfinish): it
+  ends without jax's exit function, which frees every program the worker compiled one by one,
+  nor the interpreter's teardown: ~6 CPU-seconds per worker, and as many of wall at the end of
+  the suite (docs/notes.md, 2026-12-01)."""
+  if _XDIST_WORKER:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(config.workeroutput.get("exitstatus", 0))
+
+
 import numpy as np  # noqa: E402
 
 from realm_jax.models import RealmConfig  # noqa: E402
