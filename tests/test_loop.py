@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+from realm_jax.data.pretrain import default_read_options
 from realm_jax.train import loop, profile
 from realm_jax.train.realm_step import loss_step
 
@@ -26,11 +27,11 @@ def _row(i: int) -> dict:
 
 
 def _rows(seed: int):
-  """grain iterator of batches of 8 rows, reshuffled every epoch: checkpointable. Read as the
-  trainers read theirs (data/pretrain.py), not with grain's defaults (16 threads, 500 batches
-  ahead: ~15 CPU-seconds of this file went to prefetching rows that no step took)."""
+  """grain iterator of batches of 8 rows, reshuffled every epoch: checkpointable; read ahead as
+  the trainers read (with grain's defaults, ~15 CPU-seconds of this file went to rows no step
+  took)."""
   ds = grain.MapDataset.range(ROWS).shuffle(seed=seed).repeat().map(_row).batch(8)
-  return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)))
+  return iter(ds.to_iter_dataset(default_read_options()))
 
 
 def _loss(params, batch, poison=None):

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import grain
 import numpy as np
 
+from realm_jax.data.pretrain import default_read_options
 from realm_jax.data.qa_batches import answers_of
 from realm_jax.text import BertTokenizer, join_bert
 from realm_jax.text.answers import has_answer, normalize_answer, regex_match
@@ -227,7 +228,7 @@ def example_batches(examples: Sequence[dict], batch_size: int, in_block: HasAnsw
   ds = grain.MapDataset.range(len(examples))
   if shuffle:
     ds = ds.shuffle(seed=seed)
-  read_options = read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
+  read_options = read_options or default_read_options()
   return _CleanBatches(ds.repeat(num_epochs).to_iter_dataset(read_options), examples, batch_size,
                        in_block)
 

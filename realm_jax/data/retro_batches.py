@@ -16,7 +16,7 @@ import numpy as np
 
 from realm_jax import io_utils
 from realm_jax.data.chunks import SPLITS, decode_record
-from realm_jax.data.pretrain import HostSlice, check_slice
+from realm_jax.data.pretrain import HostSlice, check_slice, default_read_options
 from realm_jax.retrieval.chunk_db import read_manifest
 
 
@@ -129,5 +129,5 @@ def retro_batches(db, split: str, *, batch_size: int, seed: int, shuffle: bool =
   if padded:
     ds = PadToMultiple(ds, global_batch)
   ds = HostSlice(ds, batch_size, shard_index, shard_count).batch(batch_size, drop_remainder=True)
-  read_options = read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
+  read_options = read_options or default_read_options()
   return iter(ds.to_iter_dataset(read_options))

@@ -27,7 +27,7 @@ import numpy as np
 from realm_jax import config_checks
 from realm_jax.data.blocks import BLOCKINGS
 from realm_jax.data.corpus import Corpus, CorpusConfig
-from realm_jax.data.pretrain import is_heldout
+from realm_jax.data.pretrain import default_read_options, is_heldout
 from realm_jax.data.sources import SOURCES
 from realm_jax.io_utils import as_path
 from realm_jax.models.config import COMPUTE_DTYPES
@@ -172,7 +172,7 @@ def ict_batches(corpus: Corpus, split: str, *, batch_size: int, seed: int, query
                          tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id)
   pick_seed = int(np.random.SeedSequence([seed, 2]).generate_state(1)[0])
   ds = ds.shuffle(seed=seed).repeat(num_epochs).random_map(examples, seed=pick_seed)
-  read_options = read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
+  read_options = read_options or default_read_options()
   # None (skipped blocks) drops out when the map dataset becomes an iterable one.
   return iter(ds.to_iter_dataset(read_options).batch(batch_size, drop_remainder=True))
 
