@@ -1,5 +1,7 @@
 """Test setup: 8 fake CPU devices for every sharded path, and the HF REALM port as oracle."""
 
+import contextlib
+import functools
 import os
 import shutil
 import sys
@@ -235,6 +237,29 @@ def perturbed(model, seed=0, scale=0.2):
     for p in model.parameters():
       p.add_(scale * torch.randn(p.shape, generator=g))
   return model.eval()
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+  """transformers reading a GGUF file (its config, weights, tokenizer), each file parsed once and
+  llama.cpp's tensor-name table built once: transformers parses the whole file again on each read
+  (SmolLM2's 49,152 vocabulary strings: ~3 s) and builds the table anew for each of its 272
+  tensors (~5 s). The same reader of the same file and the same table: no number changes."""
+  import gguf
+  readers, real = {}, gguf.GGUFReader
+
+  def reader(path, *args, **kwargs):
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, args,
+           tuple(sorted(kwargs.items())))
+    if key not in readers:
+      readers[key] = real(path, *args, **kwargs)
+    return readers[key]
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(gguf, "GGUFReader", reader)
+    patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(None)(gguf.get_tensor_name_map))
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import perturbed
+from conftest import gguf_parsed_once, perturbed
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -283,10 +283,11 @@ def test_shape_mismatch_names_the_key(checkpoints, tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_hf():
-  """transformers' own reading of the packaged SmolLM2 GGUF: its state dict (~45 s, ~2 GB)."""
+  """transformers' own reading of the packaged SmolLM2 GGUF: its state dict (~10 s, ~2 GB)."""
   path = llama.smollm2_path()
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+  with gguf_parsed_once():
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
   return {k: v.numpy() for k, v in model.state_dict().items()}, model.config, model.eval()
 
 

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+from conftest import gguf_parsed_once
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -38,8 +39,9 @@ def _documents(n=1000):
 def tokenizers():
   """(ours, transformers' AutoTokenizer) for the packaged SmolLM2 GGUF."""
   path = llama.smollm2_path()
-  hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                  gguf_file=os.path.basename(path))
+  with gguf_parsed_once():
+    hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                    gguf_file=os.path.basename(path))
   return llama.load_tokenizer(llama.SMOLLM2, FLAG), hf
 
 
