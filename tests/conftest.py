@@ -240,24 +240,19 @@ def perturbed(model, seed=0, scale=0.2):
 
 
 @contextlib.contextmanager
-def gguf_parsed_once():
-  """transformers reading a GGUF file (its config, weights, tokenizer), each file parsed once and
-  llama.cpp's tensor-name table built once: transformers parses the whole file again on each read
-  (SmolLM2's 49,152 vocabulary strings: ~3 s) and builds the table anew for each of its 272
-  tensors (~5 s). The same reader of the same file and the same table: no number changes."""
+def gguf_parsed_once(path: str):
+  """transformers reading the GGUF file `path` (its config, weights, tokenizer) from the reader the
+  project caches (`lm_tokenizer.open_gguf`: one parse per file version, shared with the project's
+  own loaders) and with llama.cpp's tensor-name table built once: transformers parses the whole
+  file again on each read (SmolLM2's 49,152 vocabulary strings: ~3 s) and builds the table anew
+  for each of its 272 tensors (~5 s). The same reader of the same file and the same table: no
+  number changes."""
   import gguf
-  readers, real = {}, gguf.GGUFReader
 
-  def reader(path, *args, **kwargs):
-    stat = os.stat(path)
-    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, args,
-           tuple(sorted(kwargs.items())))
-    if key not in readers:
-      readers[key] = real(path, *args, **kwargs)
-    return readers[key]
-
+  from realm_jax.text.lm_tokenizer import open_gguf
+  reader, real = open_gguf(path, "gguf_file"), gguf.GGUFReader
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(gguf, "GGUFReader", reader)
+    patch.setattr(gguf, "GGUFReader", lambda p: reader if os.path.samefile(p, path) else real(p))
     patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(None)(gguf.get_tensor_name_map))
     yield
 

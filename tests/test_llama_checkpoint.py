@@ -285,7 +285,7 @@ def test_shape_mismatch_names_the_key(checkpoints, tmp_path):
 def smollm2_hf():
   """transformers' own reading of the packaged SmolLM2 GGUF: its state dict (~10 s, ~2 GB)."""
   path = llama.smollm2_path()
-  with gguf_parsed_once():
+  with gguf_parsed_once(path):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
   return {k: v.numpy() for k, v in model.state_dict().items()}, model.config, model.eval()

@@ -39,7 +39,7 @@ def _documents(n=1000):
 def tokenizers():
   """(ours, transformers' AutoTokenizer) for the packaged SmolLM2 GGUF."""
   path = llama.smollm2_path()
-  with gguf_parsed_once():
+  with gguf_parsed_once(path):
     hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
                                                     gguf_file=os.path.basename(path))
   return llama.load_tokenizer(llama.SMOLLM2, FLAG), hf
