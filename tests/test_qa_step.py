@@ -77,15 +77,17 @@ def test_batch_equals_sum_of_single_questions():
     single_loss += float(l_i)
     single_grads = jax.tree.map(lambda s, g: s + np.asarray(g), single_grads, g_i)
   np.testing.assert_allclose(float(loss), single_loss, rtol=1e-5)
-  # Relative to the whole gradient: some leaves' true gradient is 0 (attention key biases cancel
-  # in the softmax), and there both sides are float32 noise.
   flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
   g, s = flat(grads), flat(single_grads)
   assert np.linalg.norm(g - s) <= 1e-5 * np.linalg.norm(s)
+  # Each leaf relative to its own size (float32 sums of 8 questions: the largest leaves, ~2e3,
+  # differ by ~1.5e-6 of their size on a Zen 3), plus a floor relative to the whole gradient for
+  # the leaves whose true gradient is 0 (attention key biases cancel in the softmax), where both
+  # sides are float32 noise.
   for (path, g_leaf), s_leaf in zip(jax.tree_util.tree_leaves_with_path(grads),
                                     jax.tree.leaves(single_grads)):
-    assert np.abs(np.asarray(g_leaf) - s_leaf).max() <= 1e-6 * np.abs(s).max(), \
-        jax.tree_util.keystr(path)
+    bound = 1e-5 * np.abs(s_leaf).max() + 1e-6 * np.abs(s).max()
+    assert np.abs(np.asarray(g_leaf) - s_leaf).max() <= bound, jax.tree_util.keystr(path)
 
 
 @pytest.mark.slow
