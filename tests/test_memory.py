@@ -209,7 +209,7 @@ def test_with_layers_recomputed_the_estimate_adds_every_layers_dropout_masks():
   else changes; with dropout off, or every activation kept (those count them), no masks."""
   from realm_jax.configs import pretrain
   c = pretrain.get_config("tiny")
-  c.remat = True
+  c.remat, c.model.num_hidden_layers = True, 2  # (the tiny config has 1)
   assert c.dropout and (c.batch_size, c.num_candidates) == (8, 4)
   per_token = lambda length: 2 * (2 * length + 2 * 32) + 32
   by_hand = 32 * per_token(32) + 4 * 48 * per_token(48) + 4 * 64 * per_token(64)

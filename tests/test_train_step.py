@@ -323,6 +323,7 @@ def test_memory_estimate_against_xla():
   from realm_jax.train.init import build_models
   for retriever_layers, devices in ((0, 1), (1, 8)):
     c = get_config("tiny")
+    c.model.num_hidden_layers = 2  # (the tiny config has 1)
     c.retriever_num_layers = retriever_layers
     mc = memory.model_config(c)
     models, _, _ = build_models(c)
@@ -469,7 +470,8 @@ def test_a_smaller_retriever_loads_the_first_layers_of_hf_weights(tmp_path):
   config.init, config.retriever_num_layers = "hf", 1
   config.retriever_weights, config.encoder_weights = str(tmp_path / "r"), str(tmp_path / "e")
   config.vocab_file = os.path.join(minilm_dir(), "vocab.txt")
-  model_config = RealmConfig(**dict(config.model))  # 2 layers
+  config.model.num_hidden_layers = 2  # (the tiny config has 1)
+  model_config = RealmConfig(**dict(config.model))
   rng = np.random.default_rng(0)
   saved = {}
   for kind, path in (("retriever", config.retriever_weights), ("encoder", config.encoder_weights)):

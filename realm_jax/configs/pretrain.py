@@ -14,7 +14,7 @@ Variants (`--config=realm_jax/configs/pretrain.py:<variant>`):
          (docs/ablations.md). Alone, or as the ablations runner's `small` (then fine-tuned):
            python experiments/pretrain.py --config=realm_jax/configs/pretrain.py:small \
                --workdir=work/pretrain_small
-  tiny   random 2-layer models over 40 articles, for tests (seconds).
+  tiny   random 1-layer models over 40 articles, for tests (seconds).
   paper  REALM's settings: BERT-base towers and encoder (config.init='hf' with REALM/BERT weights),
          batch 512, K = 8, 200k steps, lr 3e-5, query 96 / block 288 / joint 384 word pieces,
          the full English Wikipedia as blocks (13.35M), index sharded over the devices of a pod
@@ -159,7 +159,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   elif arg == "tiny":
     c.init = "random"
     c.model = ml_collections.ConfigDict(dict(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=128, retriever_proj_size=16))
     c.corpus.max_docs = 40
     c.corpus.block_length = 48
