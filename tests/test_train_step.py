@@ -323,7 +323,8 @@ def test_memory_estimate_against_xla():
   from realm_jax.train.init import build_models
   for retriever_layers, devices in ((0, 1), (1, 8)):
     c = get_config("tiny")
-    c.model.num_hidden_layers = 2  # (the tiny config has 1)
+    if retriever_layers:
+      c.model.num_hidden_layers = 2  # (the tiny config has 1)
     c.retriever_num_layers = retriever_layers
     mc = memory.model_config(c)
     models, _, _ = build_models(c)
