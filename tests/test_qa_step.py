@@ -15,9 +15,7 @@ from realm_jax.train.init import _init
 from realm_jax.train.optimizer import bert_adamw
 from realm_jax.train.qa_step import TrainState, qa_loss, qa_train_step, summarize_qa
 
-# One layer: what the step does to its parameters is the same in every layer; a second one cost
-# ~20% more CPU here and in test_pieces.py (docs/notes.md, 2026-12-01). Layers stacked
-# in HF's order are checked in test_hf_parity.py (conftest.TINY_HF: 2 layers).
+# One layer, as test_train_step.CFG (why: there).
 CFG = RealmConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                   intermediate_size=37, max_position_embeddings=64, retriever_proj_size=16,
                   span_hidden_size=12, max_span_width=3)

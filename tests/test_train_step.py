@@ -19,7 +19,7 @@ from realm_jax.train.realm_step import (RealmModels, TrainState, realm_loss, ret
                                         summarize, train_step)
 
 # One layer: what the step does to its parameters is the same in every layer; a second one cost
-# ~20% more CPU here and in test_pieces.py's pretraining pieces (docs/notes.md, 2026-12-01).
+# ~20% more CPU here, in test_qa_step.py and in test_pieces.py (docs/notes.md, 2026-12-01).
 # Layers stacked in HF's order are checked in test_hf_parity.py (conftest.TINY_HF: 2 layers).
 CFG = RealmConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                   intermediate_size=37, max_position_embeddings=64, retriever_proj_size=16)
