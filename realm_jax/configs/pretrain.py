@@ -160,7 +160,8 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     c.init = "random"
     c.model = ml_collections.ConfigDict(dict(
         vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=128, retriever_proj_size=16))
+        intermediate_size=64, max_position_embeddings=128, retriever_proj_size=16,
+        initializer_range=0.02))  # BERT's std; ~0.5 keeps random sentences' scores apart
     c.corpus.max_docs = 40
     c.corpus.block_length = 48
     c.tagger = "regex"
