@@ -190,7 +190,6 @@ def test_tiny_run_exports_towers_that_index_pretraining_and_restore_accept(corpu
   cfg = get_config("tiny")
   cfg.corpus.source, cfg.corpus.paths = "jsonl", (str(root / "docs.jsonl"),)
   cfg.corpus.max_docs, cfg.heldout_percent = 0, 50  # the fixture's corpus; 12 held-out blocks
-  cfg.model.num_hidden_layers = 1
   cfg.data_dir = str(root / "data")
   workdir = str(root / "run")
   trainer = ict.ICTTrainer(cfg, workdir)

@@ -13,7 +13,7 @@ Variants (`--config=realm_jax/configs/dpr.py:<variant>`):
   mixture     wiki_vital's towers and sizes on the training part of fine-tuning's mixture of four
               datasets (configs/finetune.py:mixture, the same splits), more steps:
                 python experiments/dpr.py --flagfile=experiments/flags/dpr_mixture.flags
-  tiny        200 articles, random 2-layer towers, a few steps: for tests (seconds).
+  tiny        200 articles, random 1-layer towers, a few steps: for tests (seconds).
   paper       DPR's settings: BERT-base towers ([CLS]: here REALM's projected [CLS]), batch 128,
               lr 1e-5, 40 epochs' worth of steps, passages of 256 word pieces.
 """
@@ -91,7 +91,7 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
   elif arg == "tiny":
     c.init = "random"
     c.model = ml_collections.ConfigDict(dict(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=128, retriever_proj_size=16))
     c.pooling = "mean"
     c.retrieval = build_index.get_config("tiny")

@@ -7,7 +7,7 @@ Variants (`--config=realm_jax/configs/ict.py:<variant>`):
          goes from chance (1/32) to about 15% (MiniLM's [CLS] vectors start nearly alike, so the
          first ~30 steps sit at loss ln 32 before the towers pull apart):
            python experiments/ict.py --flagfile=experiments/flags/ict_demo.flags
-  tiny   random 2-layer towers over 40 articles, for tests (seconds).
+  tiny   random 1-layer towers over 40 articles, for tests (seconds).
   paper  ORQA's settings: BERT-base towers (config.bert_weights: a HF BERT directory), batch 4096
          (in-batch negatives over the whole global batch), lr 1e-4, 100k steps, query 64 / block
          288 word pieces, the full English Wikipedia as blocks:
@@ -93,7 +93,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   elif arg == "tiny":
     c.init = "random"
     c.model = ml_collections.ConfigDict(dict(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=128, retriever_proj_size=16))
     c.corpus.max_docs = 40
     c.corpus.block_length = 48
