@@ -20,7 +20,7 @@ Variants (`--config=realm_jax/configs/dpr.py:<variant>`):
 
 import ml_collections
 
-from realm_jax.configs import build_index, finetune
+from realm_jax.configs import build_index, finetune, pretrain
 
 
 def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
@@ -90,9 +90,7 @@ def get_config(arg: str = "wiki_vital") -> ml_collections.ConfigDict:
       c.checkpoint_every = 100
   elif arg == "tiny":
     c.init = "random"
-    c.model = ml_collections.ConfigDict(dict(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=128, retriever_proj_size=16))
+    c.model = ml_collections.ConfigDict(pretrain.TINY_BERT)
     c.pooling = "mean"
     c.retrieval = build_index.get_config("tiny")
     # 40 articles give too few examples that do not hold each other's answers for a batch of 8.

@@ -22,6 +22,8 @@ towers with share_embedders=False (with True, pre-training keeps only the docume
 
 import ml_collections
 
+from realm_jax.configs import pretrain
+
 
 def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -92,9 +94,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     c.checkpoint_every = 50
   elif arg == "tiny":
     c.init = "random"
-    c.model = ml_collections.ConfigDict(dict(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=128, retriever_proj_size=16))
+    c.model = ml_collections.ConfigDict(pretrain.TINY_BERT)
     c.corpus.max_docs = 40
     c.corpus.block_length = 48
     c.heldout_percent = 30

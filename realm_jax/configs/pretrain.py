@@ -35,6 +35,11 @@ SLICES = {
 }
 BERT_BASE = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                  intermediate_size=3072, max_position_embeddings=512, retriever_proj_size=128)
+# The tests' random towers (tiny configs here and in dpr.py, ict.py); initializer_range is BERT's
+# std, named so that a flag can set it (~0.5 keeps random sentences' retrieval scores apart).
+TINY_BERT = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 intermediate_size=64, max_position_embeddings=128, retriever_proj_size=16,
+                 initializer_range=0.02)
 
 import ml_collections
 
@@ -158,10 +163,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
       c.checkpoint_every = 250
   elif arg == "tiny":
     c.init = "random"
-    c.model = ml_collections.ConfigDict(dict(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=128, retriever_proj_size=16,
-        initializer_range=0.02))  # BERT's std; ~0.5 keeps random sentences' scores apart
+    c.model = ml_collections.ConfigDict(TINY_BERT)
     c.corpus.max_docs = 40
     c.corpus.block_length = 48
     c.tagger = "regex"
