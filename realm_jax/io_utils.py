@@ -104,6 +104,21 @@ def _umask() -> int:
   return mask
 
 
+def save_figure(fig, path: str | os.PathLike, dpi: int) -> None:
+  """Lays out a matplotlib figure tightly and writes it as a PNG at `path` (atomic_write), drawn
+  once: `fig.tight_layout()` leaves a placeholder layout engine on the figure, for which savefig
+  would draw the whole figure a second time before the one it writes (the same pixels; 0.3-0.5 s
+  of a 1.3 s plot of a training run's curves on 2 AMD EPYC cores, docs/notes.md, 2026-12-02).
+  The figure is closed."""
+  import matplotlib.pyplot as plt
+  fig.tight_layout()
+  fig.set_layout_engine(None)
+  try:
+    atomic_write(path, lambda p: fig.savefig(p, dpi=dpi, format="png"))
+  finally:
+    plt.close(fig)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
   """Calls `write(tmp_path)` on a temporary local file, then puts it at `path` in one piece.
 

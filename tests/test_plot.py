@@ -73,3 +73,34 @@ def test_a_metrics_file_with_nothing_to_draw_is_an_error_naming_it(tmp_path, tex
   (tmp_path / "metrics.jsonl").write_text(text)
   with pytest.raises(ValueError, match="^" + re.escape(f"{tmp_path}/metrics.jsonl{says}")):
     plot.plot_metrics(str(tmp_path))
+
+
+def test_a_figure_is_drawn_once_and_saved_as_the_two_pass_layout_would(tmp_path, monkeypatch):
+  """io_utils.save_figure lays the figure out tightly and writes the same PNG as `tight_layout()`
+  then `savefig`, which draws the whole figure twice (the placeholder layout engine that
+  tight_layout leaves makes savefig draw once more before the draw it writes): it draws once."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib.figure import Figure
+  from realm_jax.io_utils import save_figure
+  draws, draw = [], Figure.draw
+  monkeypatch.setattr(Figure, "draw", lambda self, r: (draws.append(1), draw(self, r))[1])
+
+  def figure():
+    fig, axes = plt.subplots(1, 2, figsize=(6, 3))
+    for i, ax in enumerate(axes):
+      ax.plot([0, 1, 2], [i, 3, 1], label=f"curve {i}")
+      ax.set_title(f"panel {i}")
+      ax.legend()
+    return fig
+
+  old = figure()
+  old.tight_layout()
+  old.savefig(tmp_path / "old.png", dpi=50, format="png")
+  plt.close(old)
+  assert len(draws) == 2
+  save_figure(figure(), tmp_path / "new.png", dpi=50)
+  assert len(draws) == 3
+  assert (tmp_path / "new.png").read_bytes() == (tmp_path / "old.png").read_bytes()
+  assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]

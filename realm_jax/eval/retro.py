@@ -294,9 +294,7 @@ def plot(report: dict, path: str) -> str:
   ax2.set_ylabel("bits per byte")
   ax2.tick_params(axis="x", labelrotation=20)
   ax2.legend()
-  fig.tight_layout()
-  atomic_write(path, lambda p: fig.savefig(p, dpi=100, format="png"))
-  plt.close(fig)
+  io_utils.save_figure(fig, path, dpi=100)
   return path
 
 

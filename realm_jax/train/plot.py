@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from realm_jax.io_utils import as_path, atomic_write, iter_jsonl
+from realm_jax.io_utils import as_path, iter_jsonl, save_figure
 
 # Each kind of run: a metric only it logs, and its panels (metric, title) in order. The train
 # split is drawn thin, the evaluation split ("heldout" or "dev") with dots.
@@ -103,8 +103,6 @@ def plot_metrics(workdir: str, out_png: str | None = None) -> str:
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
-  fig.tight_layout()
   out_png = out_png or os.path.join(workdir, "curves.png")
-  atomic_write(out_png, lambda p: fig.savefig(p, dpi=110, format="png"))
-  plt.close(fig)
+  save_figure(fig, out_png, dpi=110)
   return out_png
