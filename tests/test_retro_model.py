@@ -206,7 +206,7 @@ def test_bad_shapes_are_refused():
     module.init(jax.random.key(0), np.ones((1, 10), np.int32), np.ones((1, 2, K, R), np.int32))
 
 
-@pytest.mark.slow  # 300 steps of a tiny model: ~25-50 s
+@pytest.mark.slow  # <= 300 steps of a tiny model: ~20-40 s
 def test_cca_learns_to_read_what_its_neighbours_say():
   """A copy check of the whole mechanism (encoder, CCA, alignment): random token sequences whose
   chunk c's first neighbour holds chunk c+1, the text the next chunk's tokens must predict (the
@@ -243,15 +243,19 @@ def test_cca_learns_to_read_what_its_neighbours_say():
     return optax.apply_updates(p, updates), opt
 
   rng, opt = np.random.default_rng(0), tx.init(params)
-  for _ in range(300):
-    params, opt = step(params, opt, data(rng))
   inputs, targets, neighbours = data(np.random.default_rng(99))
   score = jax.jit(loss)
-  own = float(score(params, inputs, targets, neighbours))
-  none = float(score(params, inputs, targets, None))
+  # Up to 300 steps, held out every 25: it reads them by step 175-200 (two seeds measured on a
+  # Zen 3, docs/notes.md 2026-12-02), and the test stops there.
+  for done in range(25, 301, 25):
+    for _ in range(25):
+      params, opt = step(params, opt, data(rng))
+    own, none = (float(score(params, inputs, targets, n)) for n in (neighbours, None))
+    if own < none - 0.5:
+      break
   other = float(score(params, inputs, targets, np.roll(neighbours, 1, axis=0)))
   assert none > 4.0 and other > 4.0
-  assert own < none - 0.5, (own, none, other)
+  assert own < none - 0.5, (done, own, none, other)
 
 
 def test_the_encoders_input_norm_makes_it_blind_to_the_embeddings_scale():
