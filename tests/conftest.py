@@ -307,16 +307,38 @@ def one_device_env() -> dict:
 
 
 @pytest.fixture(scope="session")
-def tiny_qa_workdir(tmp_path_factory):
+def tiny_reader(tmp_path_factory):
+  """A HF directory holding a random BERT 32 wide with 1 layer and MiniLM's word pieces
+  (transformers' BertModel, seed 0), the reader of the tests' tiny fine-tuning runs: the tiny
+  config's reader (MiniLM's first layer, 384 wide) is half of the trained parameters and of the
+  checkpoints; this one makes the tiny QA run ~24% cheaper (docs/notes.md, 2026-12-02). What
+  the tests check of the reader (spans, scores, EM) is computed from the model they load."""
+  import torch
+  from transformers import BertConfig, BertModel
+
+  from realm_jax.checkpoints import minilm_dir
+  directory = tmp_path_factory.mktemp("tiny_reader")
+  torch.manual_seed(0)
+  BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, intermediate_size=64,
+                       max_position_embeddings=128)).save_pretrained(directory)
+  shutil.copy(os.path.join(minilm_dir(), "vocab.txt"), directory)
+  return str(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_qa_workdir(tmp_path_factory, tiny_reader):
   """One tiny open-QA fine-tuning run, shared by test_finetune and test_ask: 40 articles,
-  2 retriever-only steps then 2 joint steps, dev evaluation every 2 steps. Run as a user runs it
-  (experiments/finetune.py, one device: on the 8 fake devices of 2 cores it takes ~20 s more)."""
+  2 retriever-only steps then 2 joint steps, dev evaluation every 2 steps, the `tiny_reader`. Run
+  as a user runs it (experiments/finetune.py, one device: on the 8 fake devices of 2 cores it
+  takes ~20 s more)."""
   import forked_runs
   workdir = _SCRATCH["tiny_qa_workdir"] = str(tmp_path_factory.mktemp("qa_tiny"))
   got = forked_runs.run(
       [sys.executable, os.path.join(ROOT, "experiments", "finetune.py"),
        f"--config={ROOT}/realm_jax/configs/finetune.py:tiny", f"--workdir={workdir}",
-       f"--config.data.local_dir={NQ_OPEN}", "--config.retriever_steps=2"],
+       f"--config.data.local_dir={NQ_OPEN}", "--config.retriever_steps=2",
+       f"--config.reader_weights={tiny_reader}"],
       env=one_device_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert got.returncode == 0, got.stderr[-5000:]
   with open(workdir + ".log", "w") as f:  # its log, beside it (test_finetune reads it)

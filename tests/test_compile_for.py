@@ -398,7 +398,7 @@ def test_tiny_retro_step_compiles_for_a_v5e_slice():
   assert "the compiler's time by part" in aot.format_report(report)
 
 
-def test_tiny_finetuning_step_compiles_on_the_cpu_devices():
+def test_tiny_finetuning_step_compiles_on_the_cpu_devices(tiny_reader):
   """Open-QA fine-tuning's own step (train/qa_step.py) over a batch of the longest shapes its
   batcher lays out (by hand from the config: 8 questions of 32 word pieces, the beam's 8 frozen
   embeddings of MiniLM's 384, the first 2 blocks read at 96 pieces, 8 gold spans each), compiled
@@ -409,6 +409,7 @@ def test_tiny_finetuning_step_compiles_on_the_cpu_devices():
   from realm_jax.configs import finetune as finetune_configs
   from realm_jax.text.tokenizer import BertTokenizer
   c = finetune_configs.get_config("tiny")
+  c.reader_weights = tiny_reader  # (conftest.py: 32 wide instead of MiniLM's first layer)
   assert steps.trainer_of(c) == "finetune"
   batch = steps.finetune_batch(c, BertTokenizer(os.path.join(minilm_dir(), "vocab.txt")), 384, 8)
   assert batch["question"]["input_ids"].shape == (8, 32)

@@ -37,6 +37,11 @@ def tiny_config(**overrides):
   return c
 
 
+def run_config(run, **overrides):
+  """tiny_config with the shared tiny run's reader (conftest.tiny_reader)."""
+  return tiny_config(reader_weights=run[1].config.reader_weights, **overrides)
+
+
 # The tests that read the shared tiny run (conftest.tiny_qa_workdir, ~45 s to make) are marked slow.
 @pytest.fixture(scope="module")
 def run(tiny_qa_workdir):
@@ -83,7 +88,7 @@ def test_the_retriever_only_programs_are_dropped_when_reading_starts(run):
 def test_rerun_resumes_and_has_nothing_left_to_do(run):
   workdir, setup = run
   _, meta = setup.best_params()
-  trainer = finetune.QaTrainer(tiny_config(), workdir)
+  trainer = finetune.QaTrainer(run_config(run), workdir)
   best = trainer.run()
   assert best["step"] == meta["step"] and best["dev_recall"] == meta["recall_5"]
   assert int(trainer.state.step) == 4 and trainer.position["draws"] > 0
@@ -102,7 +107,7 @@ def test_restart_after_best_outran_its_record(run, tmp_path):
   _, kept = setup.best_params()
   step, dev = kept["step"], {k: v for k, v in kept.items() if k != "step"}
   record = {"dev_em": kept.get("em", 0.0), "dev_recall": kept["recall_5"], "step": step}
-  trainer = finetune.QaTrainer(tiny_config(), where)
+  trainer = finetune.QaTrainer(run_config(run), where)
   try:
     trainer.restore()
     assert int(trainer.state.step) == 0  # no checkpoint: training starts again
@@ -123,7 +128,7 @@ def test_restart_after_best_outran_its_record(run, tmp_path):
 @pytest.mark.slow
 def test_workdir_with_other_data_is_refused(run):
   workdir, _ = run
-  other = tiny_config()
+  other = run_config(run)
   other.data.test_percent = 50.0
   with pytest.raises(ValueError, match="another config"):
     finetune.QaTrainer(other, workdir)
@@ -141,7 +146,7 @@ def test_recall_k_beyond_the_corpus_is_refused_before_training(run, tmp_path):
   where = str(tmp_path / "ks")
   shutil.copytree(workdir, where, ignore=shutil.ignore_patterns("checkpoints", "best"))
   with pytest.raises(ValueError, match=r"config.ks=\(1, 5, 41\): recall@k needs 1 <= k <= 40"):
-    finetune.QaTrainer(tiny_config(ks=(1, 5, 41)), where)
+    finetune.QaTrainer(run_config(run, ks=(1, 5, 41)), where)
   assert not os.path.exists(os.path.join(where, "checkpoints"))
   system = setup.system(setup.init_params)
   questions = open_qa.split_questions(setup.config)["dev"][:2]
@@ -408,7 +413,7 @@ def test_a_damaged_best_model_stops_the_resume_saying_what_to_do(run, tmp_path):
   instead of keeping a model that cannot be loaded or an orbax traceback; nothing is moved."""
   workdir, _ = run
   where, step = damaged_best_copy(workdir, tmp_path)
-  trainer = finetune.QaTrainer(tiny_config(), str(where))
+  trainer = finetune.QaTrainer(run_config(run), str(where))
   try:
     with pytest.raises(ValueError, match=rf"No checkpoint in {where}/{open_qa.BEST} can be read "
                        rf"\(step {step.name}: .+\)\. Nothing was changed\. Move {where}/"
