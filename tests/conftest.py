@@ -357,6 +357,16 @@ def articles():
     pytest.skip(str(e))
 
 
+def importorskip_scann():
+  """ScaNN's searcher module as realm_jax imports it (without TensorFlow: scann_searcher.scann_ops),
+  or the test skipped when ScaNN is not installed."""
+  from realm_jax.retrieval.scann_searcher import scann_ops
+  try:
+    return scann_ops()
+  except ModuleNotFoundError as e:
+    pytest.skip(f"needs scann: {e}")
+
+
 def damaged_best_copy(workdir, tmp_path):
   """(copy, its kept step directory): a copy of a fine-tuning work directory whose kept model
   (best/<step>) lost its largest data file."""

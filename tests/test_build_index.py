@@ -6,7 +6,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import jit_init
+from conftest import importorskip_scann, jit_init
 
 from realm_jax.checkpoints import save_hf_checkpoint
 from realm_jax.configs.build_index import get_config
@@ -164,7 +164,7 @@ def test_missing_index_and_bad_weights_are_clear(setup, tmp_path):
 
 
 def test_scann_settings_come_from_the_config(setup, tmp_path):
-  pytest.importorskip("scann")
+  importorskip_scann()
   _, cfg, _ = setup
   exact = build.build_index(cfg, str(tmp_path))[1]
   scann_cfg = cfg.copy_and_resolve_references()

@@ -8,6 +8,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from conftest import importorskip_scann
 from jax.sharding import Mesh
 
 from realm_jax.retrieval import exact, index_store
@@ -250,7 +251,7 @@ def test_non_finite_queries_still_get_valid_rows(searcher):
   8 devices leave 3 of them, which an unguarded top-k picks: NaN sorts above -inf)."""
   options = {}
   if searcher.startswith("scann"):
-    pytest.importorskip("scann")
+    importorskip_scann()
     if searcher != "scann":  # ScaNN itself fails on non-finite queries when it has a tree
       searcher, options = "scann", dict(num_leaves=10, num_leaves_to_search=3)
   emb, ids, queries = untied_data(6, 301, q=4)
@@ -273,7 +274,7 @@ def test_non_finite_queries_still_get_valid_rows(searcher):
 
 @pytest.fixture(scope="module")
 def scann_case():
-  pytest.importorskip("scann")
+  importorskip_scann()
   emb, ids, rng = clustered(4, 20000, 64)
   sources = rng.integers(0, 20000, 200)
   queries = (emb[sources] + 0.3 * rng.normal(size=(200, 64))).astype(np.float32)
@@ -326,7 +327,7 @@ def test_scann_retuned_at_query_time(scann_case):
 
 
 def test_scann_rejects_bad_dims_per_block_and_reorder_num_neighbors():
-  pytest.importorskip("scann")
+  importorskip_scann()
   emb, ids, _ = untied_data(6, 50, q=1)
   for bad in (0, emb.shape[1] + 1, 2.5, True):
     with pytest.raises(ValueError, match="dims_per_block"):
@@ -352,7 +353,7 @@ def test_scann_re_orders_more_candidates_for_more_exclusions(scann_case):
 
 
 def test_scann_refuses_non_finite_rows():
-  pytest.importorskip("scann")
+  importorskip_scann()
   emb, ids, _ = untied_data(6, 50, q=1)
   emb[7, 3] = np.nan
   with pytest.raises(ValueError, match=rf"1 embedding rows are not finite.*\[{ids[7]}\]"):
@@ -404,7 +405,7 @@ def test_index_options_from_a_config():
 
 
 def test_scann_too_few_candidates_falls_back_to_exact():
-  pytest.importorskip("scann")
+  importorskip_scann()
   emb, ids, queries = untied_data(5, 301, q=4)
   # One leaf of four searched holds ~75 rows: fewer than k, so those queries are brute-forced.
   index = DocIndex(emb, ids, "scann", num_leaves=4, num_leaves_to_search=1,
@@ -695,3 +696,28 @@ def test_bad_inputs():
     DocIndex(emb, ids, "faiss")
   with pytest.raises(ValueError, match="Unknown storage dtype 'float16'"):
     DocIndex(emb, ids, dtype="float16")
+
+
+def test_scann_is_imported_without_tensorflow():
+  """scann_searcher.scann_ops imports ScaNN's searcher module without the `scann` package's
+  __init__, which imports TensorFlow when it is installed (8.5 s); an `import scann` after it
+  still gives the whole package, with the same searcher module (TensorFlow kept out of that
+  import too, as when it is not installed: it would take as long)."""
+  import importlib.util
+  import subprocess
+  import sys
+  importorskip_scann()
+  if importlib.util.find_spec("tensorflow") is None:
+    pytest.skip("TensorFlow is not installed: nothing to leave out")
+  code = ("import sys\n"
+          "from realm_jax.retrieval.scann_searcher import scann_ops\n"
+          "ops = scann_ops()\n"
+          "assert 'tensorflow' not in sys.modules and 'scann' not in sys.modules\n"
+          "assert scann_ops() is ops\n"
+          "sys.modules['tensorflow'] = None\n"
+          "import scann\n"
+          "assert scann.scann_ops_pybind is ops\n"
+          "assert scann.ScannBuilder and scann_ops() is ops\n")
+  got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert got.returncode == 0, got.stderr[-3000:]

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, one_device_env
+from conftest import ROOT, importorskip_scann, one_device_env
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "index_scale.py")
 
@@ -31,7 +31,7 @@ def test_ids_are_unique_non_negative_and_not_row_numbers():
 
 @pytest.mark.slow
 def test_every_step_at_a_small_size(tmp_path):
-  pytest.importorskip("scann")
+  importorskip_scann()
   out = subprocess.run(
       [sys.executable, SCRIPT, f"--workdir={tmp_path}", "--rows=3000", "--dim=16",
        "--clusters=20", "--shard_rows=1100", "--queries=40", "--query_batch_size=16",

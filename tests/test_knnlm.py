@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 from cli_forks import run_forked
-from conftest import jit_init, one_device_env
+from conftest import importorskip_scann, jit_init, one_device_env
 
 from realm_jax.checkpoints import retro_export
 from realm_jax.checkpoints.decoder import is_decoder_param
@@ -60,7 +60,7 @@ def _brute_force_p_knn(keys, values, queries, k, vocab, temperature):
 def test_p_knn_through_the_datastore_equals_brute_force(searcher, options):
   """On 8 fake devices (exact: the keys sharded) and with ScaNN (all 300 rows re-scored)."""
   if searcher == "scann":
-    pytest.importorskip("scann")
+    importorskip_scann()
   rng = np.random.default_rng(0)
   n, h, q, k, vocab = 300, 8, 12, 24, 20
   keys = rng.normal(size=(n, h)).astype(np.float32)

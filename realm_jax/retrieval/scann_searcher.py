@@ -3,13 +3,16 @@
 ScaNN (tree + asymmetric hashing, as in the original REALM runs) finds candidates, and its
 re-ordering pass scores the best hashed ones exactly (float32, against the stored rows). Queries
 left with fewer than k candidates, and non-finite queries, are brute-forced. The rows stay in host
-memory; `scann` is imported only when a searcher is built (it loads TensorFlow: seconds).
+memory; ScaNN is imported only when a searcher is built, and without TensorFlow (`scann_ops`).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import math
+import sys
 import os
 import time
 
@@ -19,6 +22,27 @@ from jax.sharding import Mesh
 from realm_jax import config_checks
 from realm_jax.retrieval.exact import brute_force_top_k, finite_scores
 from realm_jax.retrieval.rows import HostRows, read_all
+
+
+
+def scann_ops():
+  """ScaNN's searcher module (`scann.scann_ops_pybind`), imported without running the `scann`
+  package's __init__, which also imports TensorFlow when it is installed (the `tf` extra), for
+  ScaNN's TensorFlow ops that realm_jax does not use: 8.5 s of a process's start on 2 AMD EPYC
+  cores (docs/notes.md, 2026-12-02). A `scann` already imported whole is used as it is; a later
+  `import scann` runs its __init__ as usual."""
+  if "scann" in sys.modules:
+    return sys.modules["scann"].scann_ops_pybind
+  spec = importlib.util.find_spec("scann")
+  if spec is None:
+    raise ModuleNotFoundError("No module named 'scann'", name="scann")
+  package = importlib.util.module_from_spec(spec)  # its path, to find the submodules by
+  sys.modules["scann"] = package
+  try:
+    return importlib.import_module("scann.scann_ops.py.scann_ops_pybind")
+  finally:
+    if sys.modules.get("scann") is package:
+      del sys.modules["scann"]
 
 
 class ScannSearcher:
@@ -70,8 +94,6 @@ class ScannSearcher:
 
   def _build(self, num_leaves, num_leaves_to_search, training_sample_size, reorder,
              dims_per_block):
-    import scann  # local: importing ScaNN loads TensorFlow (seconds)
-
     n = self.count
     if num_leaves is None:
       # ScaNN's rule of thumb: partition only beyond 100k rows, into ~sqrt(N) leaves. Searching a
@@ -83,7 +105,7 @@ class ScannSearcher:
     num_leaves_to_search = min(num_leaves_to_search, num_leaves)
     db = np.ascontiguousarray(self._emb, dtype=np.float32)
     start = time.perf_counter()
-    builder = scann.scann_ops_pybind.builder(db, reorder, "dot_product")
+    builder = scann_ops().builder(db, reorder, "dot_product")
     if num_leaves > 1:  # a tree of one leaf fails to train; without a tree AH scores every row
       builder = builder.tree(num_leaves=num_leaves, num_leaves_to_search=num_leaves_to_search,
                              training_sample_size=min(training_sample_size, n))
