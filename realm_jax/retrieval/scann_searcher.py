@@ -12,8 +12,8 @@ import importlib
 import importlib.util
 import logging
 import math
-import sys
 import os
+import sys
 import time
 
 import numpy as np
@@ -22,7 +22,6 @@ from jax.sharding import Mesh
 from realm_jax import config_checks
 from realm_jax.retrieval.exact import brute_force_top_k, finite_scores
 from realm_jax.retrieval.rows import HostRows, read_all
-
 
 
 def scann_ops():
