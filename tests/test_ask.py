@@ -23,7 +23,7 @@ from realm_jax.systems import open_qa
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "experiments", "colab", "realm_jax_demo.ipynb")
 QUESTION = "who wrote the origin of species"
-# Every test here reads the tiny fine-tuning run of conftest.tiny_qa_workdir (~45 s to make).
+# Every test here reads the tiny fine-tuning run of conftest.tiny_qa_workdir (~35 s to make).
 pytestmark = pytest.mark.slow
 
 

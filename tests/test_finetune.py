@@ -42,7 +42,7 @@ def run_config(run, **overrides):
   return tiny_config(reader_weights=run[1].config.reader_weights, **overrides)
 
 
-# The tests that read the shared tiny run (conftest.tiny_qa_workdir, ~45 s to make) are marked slow.
+# The tests that read the shared tiny run (conftest.tiny_qa_workdir, ~35 s to make) are marked slow.
 @pytest.fixture(scope="module")
 def run(tiny_qa_workdir):
   """The shared tiny run (conftest): 2 retriever-only + 2 joint steps, dev every 2 steps."""
