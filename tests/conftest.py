@@ -308,21 +308,21 @@ def one_device_env() -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_reader(tmp_path_factory):
-  """A HF directory holding a random BERT 32 wide with 1 layer and MiniLM's word pieces
-  (transformers' BertModel, seed 0), the reader of the tests' tiny fine-tuning runs: the tiny
-  config's reader (MiniLM's first layer, 384 wide) is half of the trained parameters and of the
-  checkpoints. With this one the tiny QA run alone takes 38.9 CPU-s instead of 51.3, and the
+  """A HF directory holding a random BERT of the tiny configs' sizes (configs/pretrain.TINY_BERT:
+  32 wide, 1 layer) with MiniLM's word pieces (transformers' BertModel, seed 0), the reader of
+  the tests' tiny fine-tuning runs: the tiny config's reader (MiniLM's first layer, 384 wide) is
+  half of the trained parameters and of the checkpoints. With this one the tiny QA run alone takes 38.9 CPU-s instead of 51.3, and the
   tests that use it 212.9 instead of 291.8 (docs/notes.md, 2026-12-02). What the tests check of
   the reader (spans, scores, EM) they compute from the model they load."""
   import torch
   from transformers import BertConfig, BertModel
 
   from realm_jax.checkpoints import minilm_dir
+  from realm_jax.configs.pretrain import TINY_BERT
   directory = tmp_path_factory.mktemp("tiny_reader")
   torch.manual_seed(0)
-  BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1,
-                       num_attention_heads=2, intermediate_size=64,
-                       max_position_embeddings=128)).save_pretrained(directory)
+  sizes = {k: v for k, v in TINY_BERT.items() if k != "retriever_proj_size"}  # (no retriever)
+  BertModel(BertConfig(**sizes)).save_pretrained(directory)
   shutil.copy(os.path.join(minilm_dir(), "vocab.txt"), directory)
   return str(directory)
 
