@@ -107,9 +107,9 @@ def _umask() -> int:
 def save_figure(fig, path: str | os.PathLike, dpi: int) -> None:
   """Lays out a matplotlib figure tightly and writes it as a PNG at `path` (atomic_write), drawn
   once: `fig.tight_layout()` leaves a placeholder layout engine on the figure, for which savefig
-  would draw the whole figure a second time before the one it writes (the same pixels; 0.3-0.5 s
-  of a 1.3 s plot of a training run's curves on 2 AMD EPYC cores, docs/notes.md, 2026-12-02).
-  The figure is closed."""
+  would draw the whole figure a second time before the one it writes (the same pixels; a
+  training run's curves 0.91-1.30 s instead of 1.28-1.39 s on 2 AMD EPYC cores, docs/notes.md,
+  2026-12-02). The figure is closed."""
   import matplotlib.pyplot as plt
   fig.tight_layout()
   fig.set_layout_engine(None)
