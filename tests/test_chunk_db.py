@@ -28,9 +28,10 @@ from realm_jax.text.lm_tokenizer import key_inputs, load_lm_tokenizer, shares_vo
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 M, N, K = 16, 4, 2        # chunk length, chunks per sequence, neighbours
 L = M * N
-# Batches of 64 keys, as configs/retro.py:tiny (256 rows on the 8 fake devices: mostly padding).
+# Batches of 64 keys and MiniLM's first layer as the key tower, as configs/retro.py:tiny (256 rows
+# on the 8 fake devices: mostly padding).
 SETTINGS = dict(max_docs=48, chunk_length=M, seq_chunks=N, num_neighbours=K, key_length=32,
-                shard_size=128, key_batch_size=64)
+                shard_size=128, key_batch_size=64, key_layers=1)
 
 
 def _config(**overrides):
@@ -297,7 +298,8 @@ def test_neighbours_are_the_exact_search_without_own_documents(db):
     np.testing.assert_allclose(got_scores, ref_scores, atol=1e-5)
     # Ids must agree, but where another candidate scores the same (float32 may order those apart).
     tied = (np.abs(every[:, None, :] - ref_scores[:, :, None]) < 1e-5).sum(-1) > 1  # [Q, k]
-    assert (found == indexed[ref_rows])[~tied].all() and (~tied).mean() > 0.9
+    # (Keys of MiniLM's first layer: 5% of the train and 10% of the held-out neighbours tie.)
+    assert (found == indexed[ref_rows])[~tied].all() and (~tied).mean() > 0.85
     for c, ids in enumerate(found):  # no neighbour shares a document with its query's sequence
       for j in ids:
         assert not own[c] & set(train_docs[j * M:(j + 1) * M].tolist())
@@ -491,6 +493,21 @@ def test_keys_embed_the_chunk_text_as_the_build(db, tmp_path):
   assert shares_vocab(db.tokenizer, tower.tokenizer)
   chunks = np.asarray(db.array("train", "stream"))[:20 * M].reshape(20, M)
   np.testing.assert_allclose(db.embed_keys(chunks), db.array("train", "keys")[:20], atol=2e-5)
+  # The keys are those of MiniLM's first layer (config.db.key_layers=1): transformers' BertModel
+  # cut to one layer, mean-pooled over the word pieces and L2-normalised.
+  import torch
+  import transformers
+  from realm_jax.checkpoints import minilm_dir
+  hf = transformers.BertModel.from_pretrained(minilm_dir(), num_hidden_layers=1,
+                                              add_pooling_layer=False).eval()
+  assert len(hf.encoder.layer) == 1
+  batch = key_inputs(chunks, db.tokenizer, tower.tokenizer, 32, True)
+  with torch.no_grad():
+    states = hf(**{k: torch.as_tensor(np.asarray(v)) for k, v in batch.items()}).last_hidden_state
+  mask = torch.as_tensor(np.asarray(batch["attention_mask"]), dtype=torch.float32)[..., None]
+  mean = (states * mask).sum(1) / mask.sum(1)
+  want = torch.nn.functional.normalize(mean, dim=-1).numpy()
+  np.testing.assert_allclose(db.array("train", "keys")[:20], want, atol=2e-5)
   # The same vocab: the chunk's word pieces themselves, without eos and pad.
   inputs = key_inputs(chunks[:1], db.tokenizer, tower.tokenizer, 32, True)
   body = [t for t in chunks[0] if t not in (db.tokenizer.eos_id, db.tokenizer.pad_id)]
@@ -552,6 +569,12 @@ def test_refused_settings_and_models(db, tmp_path):
     build_database(_config(chunk_length=8, num_neighbours=100_001), str(tmp_path / "big_k"))
   with pytest.raises(ValueError, match=r"--config.db.seq_chunks=0"):
     build_database(_config(seq_chunks=0), str(tmp_path / "bad"))
+  # The key tower's layers: MiniLM has 6; other keys than the built database's are refused.
+  with pytest.raises(ValueError, match=r"--config.db.key_layers=7: .* has 6 transformer layers"):
+    build_database(_config(key_layers=7), str(tmp_path / "deep"))
+  assert not os.path.exists(tmp_path / "deep")
+  with pytest.raises(ValueError, match=r"--config.db.key_layers=1 \(now 2\).*delete"):
+    build_database(_config(key_layers=2), db.directory)
   # A model of another tokenizer or other key weights.
   other = load_lm_tokenizer(_word_level(tmp_path), "").name
   with pytest.raises(ValueError, match=rf"tokenizer_file giving {other}.* {db.tokenizer.name}"):

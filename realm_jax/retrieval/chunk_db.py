@@ -73,13 +73,16 @@ SETTINGS = "settings.json"
 _CHUNK_KEYS = ("source", "paths", "tfds_name", "max_docs", "heldout_percent", "tokenizer_file",
                "chunk_length", "seq_chunks")
 CONTENT_KEYS = _CHUNK_KEYS + ("key_weights", "key_length", "searcher", "num_neighbours")
-# Read by the training neighbours alone; in the settings only when not 0 (a database of the
-# paper's rule keeps the settings and fingerprint it had before the setting existed).
-_NEIGHBOUR_KEYS = CONTENT_KEYS + ("own_document_share",)
+# In the settings only when not 0, so that a database made without them keeps the settings and
+# fingerprint it had before they existed: key_layers (the key tower keeps only its first N
+# layers) and own_document_share (read by the training neighbours alone).
+_KEY_KEYS = _CHUNK_KEYS + ("key_weights", "key_length", "key_layers")
+_INDEX_KEYS = CONTENT_KEYS + ("key_layers",)
+_NEIGHBOUR_KEYS = _INDEX_KEYS + ("own_document_share",)
 # The settings each stage's files depend on: those of a directory may still change while no
 # finished stage depends on them (e.g. num_neighbours, after a k refused once the text was read).
-STAGE_KEYS = {"chunks": _CHUNK_KEYS, "keys": _CHUNK_KEYS + ("key_weights", "key_length"),
-              "index": CONTENT_KEYS, "neighbours": _NEIGHBOUR_KEYS, "examples": _NEIGHBOUR_KEYS}
+STAGE_KEYS = {"chunks": _CHUNK_KEYS, "keys": _KEY_KEYS, "index": _INDEX_KEYS,
+              "neighbours": _NEIGHBOUR_KEYS, "examples": _NEIGHBOUR_KEYS}
 
 
 def check_settings(db, flag: str = "--config.db") -> None:
@@ -88,6 +91,7 @@ def check_settings(db, flag: str = "--config.db") -> None:
   for key, low in (("chunk_length", 1), ("seq_chunks", 1), ("num_neighbours", 1),
                    ("key_length", 3), ("key_batch_size", 1), ("shard_size", 1), ("max_docs", 0)):
     config_checks.whole_number(f"{flag}.{key}", db[key], low)
+  config_checks.whole_number(f"{flag}.key_layers", key_layers(db), 0)
   config_checks.at_least(db, {"heldout_percent": 0}, flag)
   if db.heldout_percent > 100:
     raise ValueError(f"{flag}.heldout_percent={db.heldout_percent!r}: give a percentage, 0 to 100.")
@@ -108,8 +112,15 @@ def check_settings(db, flag: str = "--config.db") -> None:
       raise FileNotFoundError(f"{flag}.paths: {e}") from None
 
 
+def key_layers(db) -> int:
+  """`config.db.key_layers` (0, all the key tower's layers, for a config from before it)."""
+  return db.get("key_layers", 0)
+
+
 def db_settings(db) -> dict:
   settings = {k: list(db[k]) if k == "paths" else db[k] for k in CONTENT_KEYS}
+  if key_layers(db):
+    settings["key_layers"] = key_layers(db)
   if db.own_document_share:
     settings["own_document_share"] = float(db.own_document_share)
   return settings
@@ -262,6 +273,10 @@ def build_database(db_config, db_dir: str, *, flag: str = "--config.db") -> "Ret
     return RetroDb.open(db_dir)
   # What the settings name is found before anything is written.
   weights = resolve(db_config.key_weights, flag=f"{flag}.key_weights")
+  have = weights.config.num_hidden_layers
+  if key_layers(db_config) > have:
+    raise ValueError(f"{flag}.key_layers={key_layers(db_config)}: {weights.name} has {have} "
+                     f"transformer layers; keep 1 to {have} of them, or 0 for all.")
   tokenizer = load_lm_tokenizer(db_config.tokenizer_file,
                                 weights.vocab() if not db_config.tokenizer_file else "",
                                 f"{flag}.tokenizer_file")
@@ -322,7 +337,7 @@ def _build(db, db_dir: str, weights, tokenizer: LmTokenizer, flag: str) -> "Retr
 
   def key_stage():
     from realm_jax.retrieval.towers import load_tower
-    tower = load_tower(db.key_weights, flag=f"{flag}.key_weights")
+    tower = load_tower(db.key_weights, flag=f"{flag}.key_weights", num_layers=key_layers(db))
     same = shares_vocab(tokenizer, tower.tokenizer)
     for split in SPLITS:
       texts = _ChunkKeyTexts(_load(db_dir, split, "stream")[:chunks["counts"][split]["chunks"] * m]
@@ -338,13 +353,14 @@ def _build(db, db_dir: str, weights, tokenizer: LmTokenizer, flag: str) -> "Retr
       save_npy(os.path.join(db_dir, f"{split}.keys.npy"), keys.astype(np.float32))
     for d in glob.glob(os.path.join(db_dir, "keys-*.shards-*")):
       shutil.rmtree(d)
+    layers = f" (its first {key_layers(db)} layers)" if key_layers(db) else ""
     return {"key_fingerprint": tower.fingerprint, "key_name": weights.name, "dim": tower.dim,
             "same_vocab": same, "files": _crcs(db_dir, [f"{s}.keys.npy" for s in SPLITS]),
             "summary": f"{sum(c['chunks'] for c in chunks['counts'].values())} chunks embedded "
-                       f"by {weights.name} ({'same' if same else 'decoded'} text)"}
+                       f"by {weights.name}{layers} ({'same' if same else 'decoded'} text)"}
 
   keys = _stage(db_dir, "keys", key_stage)
-  text_settings = {k: v for k, v in settings.items() if k in CONTENT_KEYS}
+  text_settings = {k: v for k, v in settings.items() if k in _INDEX_KEYS}
   index_fingerprint = hashlib.sha256(json.dumps(
       [VERSION, text_settings, chunks["content_sha256"], tokenizer.name, keys["key_fingerprint"]],
       sort_keys=True).encode()).hexdigest()[:16]
@@ -632,7 +648,8 @@ class RetroDb:
     if self._tower is None:
       from realm_jax.retrieval.towers import load_tower
       weights = self.settings["key_weights"]
-      tower = load_tower(weights, flag="--config.db.key_weights")
+      tower = load_tower(weights, flag="--config.db.key_weights",
+                         num_layers=self.settings.get("key_layers", 0))
       if tower.fingerprint != self.key_fingerprint:
         raise ValueError(
             f"--config.db.key_weights={weights} now loads weights with fingerprint "

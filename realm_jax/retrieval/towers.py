@@ -117,8 +117,9 @@ def load_towers(weights: str = "minilm", pooling: str | None = None,
 
 def load_tower(weights: str = "minilm", pooling: str | None = None, normalize: bool | None = None,
                dtype: str = "float32", which: str = "document",
-               vocab_file: str | None = None, flag: str = "--config.weights") -> Tower:
+               vocab_file: str | None = None, flag: str = "--config.weights",
+               num_layers: int = 0) -> Tower:
   """One tower of `load_towers`; `which` is "document" or "query"."""
   if which not in ("document", "query"):
     raise ValueError(f"which={which!r}: use 'document' or 'query'.")
-  return load_towers(weights, pooling, normalize, dtype, vocab_file, flag)[which]
+  return load_towers(weights, pooling, normalize, dtype, vocab_file, flag, num_layers)[which]
