@@ -353,7 +353,8 @@ def _build(db, db_dir: str, weights, tokenizer: LmTokenizer, flag: str) -> "Retr
       save_npy(os.path.join(db_dir, f"{split}.keys.npy"), keys.astype(np.float32))
     for d in glob.glob(os.path.join(db_dir, "keys-*.shards-*")):
       shutil.rmtree(d)
-    layers = f" (its first {key_layers(db)} layers)" if key_layers(db) else ""
+    n = key_layers(db)
+    layers = "" if not n else " (its first layer)" if n == 1 else f" (its first {n} layers)"
     return {"key_fingerprint": tower.fingerprint, "key_name": weights.name, "dim": tower.dim,
             "same_vocab": same, "files": _crcs(db_dir, [f"{s}.keys.npy" for s in SPLITS]),
             "summary": f"{sum(c['chunks'] for c in chunks['counts'].values())} chunks embedded "
