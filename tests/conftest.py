@@ -311,9 +311,10 @@ def tiny_reader(tmp_path_factory):
   """A HF directory holding a random BERT of the tiny configs' sizes (configs/pretrain.TINY_BERT:
   32 wide, 1 layer) with MiniLM's word pieces (transformers' BertModel, seed 0), the reader of
   the tests' tiny fine-tuning runs: the tiny config's reader (MiniLM's first layer, 384 wide) is
-  half of the trained parameters and of the checkpoints. With this one the tiny QA run alone takes 38.9 CPU-s instead of 51.3, and the
-  tests that use it 212.9 instead of 291.8 (docs/notes.md, 2026-12-02). What the tests check of
-  the reader (spans, scores, EM) they compute from the model they load."""
+  half of the trained parameters and of the checkpoints. With this one the tiny QA run alone
+  takes 38.9 CPU-s instead of 51.3, and the tests that use it 212.9 instead of 291.8
+  (docs/notes.md, 2026-12-02). What the tests check of the reader (spans, scores, EM) they
+  compute from the model they load."""
   import torch
   from transformers import BertConfig, BertModel
 

@@ -119,6 +119,15 @@ class Weights:
                             f"{what}.")
     return self.kind
 
+  def check_layers(self, num_layers: int, flag: str) -> None:
+    """A ValueError naming `flag` unless `num_layers` is 0 (all of the weights' transformer
+    layers) or 1 to their number (the first ones kept)."""
+    have = self.config.num_hidden_layers
+    if (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+        or not 0 <= num_layers <= have):
+      raise ValueError(f"{flag}={num_layers}: {self.name} has {have} transformer layers; keep 1 "
+                       f"to {have} of them, or 0 for all.")
+
   def vocab(self, fallback: str = "") -> str:
     """The vocab.txt beside the weights, else `fallback` (a --config.vocab_file); a
     FileNotFoundError naming the flag when there is neither."""

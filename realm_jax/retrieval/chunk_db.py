@@ -113,7 +113,8 @@ def check_settings(db, flag: str = "--config.db") -> None:
 
 
 def key_layers(db) -> int:
-  """`config.db.key_layers` (0, all the key tower's layers, for a config from before it)."""
+  """`config.db.key_layers`, or a built database's (its settings): 0, all the key tower's layers,
+  for one from before the setting."""
   return db.get("key_layers", 0)
 
 
@@ -273,10 +274,7 @@ def build_database(db_config, db_dir: str, *, flag: str = "--config.db") -> "Ret
     return RetroDb.open(db_dir)
   # What the settings name is found before anything is written.
   weights = resolve(db_config.key_weights, flag=f"{flag}.key_weights")
-  have = weights.config.num_hidden_layers
-  if key_layers(db_config) > have:
-    raise ValueError(f"{flag}.key_layers={key_layers(db_config)}: {weights.name} has {have} "
-                     f"transformer layers; keep 1 to {have} of them, or 0 for all.")
+  weights.check_layers(key_layers(db_config), f"{flag}.key_layers")
   tokenizer = load_lm_tokenizer(db_config.tokenizer_file,
                                 weights.vocab() if not db_config.tokenizer_file else "",
                                 f"{flag}.tokenizer_file")
@@ -337,7 +335,8 @@ def _build(db, db_dir: str, weights, tokenizer: LmTokenizer, flag: str) -> "Retr
 
   def key_stage():
     from realm_jax.retrieval.towers import load_tower
-    tower = load_tower(db.key_weights, flag=f"{flag}.key_weights", num_layers=key_layers(db))
+    layers = key_layers(db)
+    tower = load_tower(db.key_weights, flag=f"{flag}.key_weights", num_layers=layers)
     same = shares_vocab(tokenizer, tower.tokenizer)
     for split in SPLITS:
       texts = _ChunkKeyTexts(_load(db_dir, split, "stream")[:chunks["counts"][split]["chunks"] * m]
@@ -353,12 +352,11 @@ def _build(db, db_dir: str, weights, tokenizer: LmTokenizer, flag: str) -> "Retr
       save_npy(os.path.join(db_dir, f"{split}.keys.npy"), keys.astype(np.float32))
     for d in glob.glob(os.path.join(db_dir, "keys-*.shards-*")):
       shutil.rmtree(d)
-    n = key_layers(db)
-    layers = "" if not n else " (its first layer)" if n == 1 else f" (its first {n} layers)"
+    cut = f" (its first {layers} layer{'s' * (layers > 1)})" if layers else ""
     return {"key_fingerprint": tower.fingerprint, "key_name": weights.name, "dim": tower.dim,
             "same_vocab": same, "files": _crcs(db_dir, [f"{s}.keys.npy" for s in SPLITS]),
             "summary": f"{sum(c['chunks'] for c in chunks['counts'].values())} chunks embedded "
-                       f"by {weights.name}{layers} ({'same' if same else 'decoded'} text)"}
+                       f"by {weights.name}{cut} ({'same' if same else 'decoded'} text)"}
 
   keys = _stage(db_dir, "keys", key_stage)
   text_settings = {k: v for k, v in settings.items() if k in _INDEX_KEYS}
@@ -650,7 +648,7 @@ class RetroDb:
       from realm_jax.retrieval.towers import load_tower
       weights = self.settings["key_weights"]
       tower = load_tower(weights, flag="--config.db.key_weights",
-                         num_layers=self.settings.get("key_layers", 0))
+                         num_layers=key_layers(self.settings))
       if tower.fingerprint != self.key_fingerprint:
         raise ValueError(
             f"--config.db.key_weights={weights} now loads weights with fingerprint "

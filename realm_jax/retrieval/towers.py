@@ -74,11 +74,7 @@ def load_towers(weights: str = "minilm", pooling: str | None = None,
                            "a retriever: a REALM embedder or scorer (e.g. ICT's export) or a BERT")
   config = source.config.replace(dtype=dtype)
   if num_layers:
-    if (isinstance(num_layers, bool) or not isinstance(num_layers, int)
-        or not 0 < num_layers <= config.num_hidden_layers):
-      raise ValueError(f"{flag.rsplit('.', 1)[0]}.num_layers={num_layers}: {source.name} has "
-                       f"{config.num_hidden_layers} transformer layers; keep 1 to "
-                       f"{config.num_hidden_layers} of them, or 0 for all.")
+    source.check_layers(num_layers, f"{flag.rsplit('.', 1)[0]}.num_layers")
     config = config.replace(num_hidden_layers=num_layers)
   loaded, _ = source.load(config=config)
   if kind == "bert":
