@@ -9,8 +9,9 @@ whose eager ops allocate one activation at a time (benchmarks/README.md). With m
 no trimming, freed blocks stay in the heap and the next step reuses them; the price is that the
 process keeps its peak size (resident memory does not shrink after a large step).
 
-`MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=<large>` in the environment does the same for a whole
-process from its start; `keep_freed_memory()` does it from the call on.
+`KEEP_FREED_ENV` (`MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=<large>`) in the environment does the
+same for a whole process from its start (glibc reads it then; children inherit it);
+`keep_freed_memory()` does it from the call on.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 _M_TRIM_THRESHOLD = -1   # mallopt parameters, from glibc's malloc.h
 _M_MMAP_MAX = -4
 _NEVER_TRIM = 2**31 - 1  # mallopt takes an int
+KEEP_FREED_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(10**11)}
 
 
 def keep_freed_memory() -> bool:

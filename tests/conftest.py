@@ -29,10 +29,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # side with and without, twice: 25.0M -> 17.0-17.3M minor page faults, 1-3% less CPU (system time
 # 143 -> 111 s, 117 -> 100 s; user time within 0.3%) (docs/notes.md, 2026-12-02). User runs keep
 # glibc's defaults.
-os.environ.setdefault("MALLOC_MMAP_MAX_", "0")
-os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(10**11))
-if os.environ["MALLOC_MMAP_MAX_"] == "0":
-  from realm_jax.host_memory import keep_freed_memory
+from realm_jax.host_memory import KEEP_FREED_ENV, keep_freed_memory  # noqa: E402 (ctypes only)
+for _name, _value in KEEP_FREED_ENV.items():
+  os.environ.setdefault(_name, _value)
+if all(os.environ[k] == v for k, v in KEEP_FREED_ENV.items()):  # not when set otherwise outside
   keep_freed_memory()
 # transformers would otherwise import TensorFlow (slow) whenever the `tf` extra is installed.
 os.environ.setdefault("USE_TF", "0")
