@@ -117,6 +117,7 @@ def run(main: Callable[[list[str]], None], stray_hint: str = "") -> None:
 
   def guarded(argv: list[str]) -> None:
     libtpu_flags.add()  # before anything starts libtpu (a TPU run; compile_for)
+    libtpu_flags.cpu_without_accelerator()  # no libtpu start, and its stderr, without a TPU
     if len(argv) > 1:
       fail(f"unexpected arguments {argv[1:]}: "
            f"{stray_hint or 'every setting is a --flag=value (see --helpshort)'}.")

@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import re
+import subprocess
 import sys
 
 import jax
@@ -15,13 +16,13 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from realm_jax import sharding
+from realm_jax import libtpu_flags, sharding
 from realm_jax.compile import aot, hlo, steps, topology
 from realm_jax.configs import retro as retro_configs
 from realm_jax.models.retro import RetroModel
 
 needs_libtpu = pytest.mark.skipif(
-    not topology.libtpu_installed(),
+    not libtpu_flags.libtpu_installed(),
     reason='libtpu is not installed (pip install -e ".[test]" or ".[tpu-compile]"): no TPU '
     'compiler')
 
@@ -357,7 +358,7 @@ def test_tiny_retro_step_compiles_on_the_cpu_devices():
 def test_missing_libtpu_is_refused_before_any_model_is_built(monkeypatch):
   def build(*args):
     raise AssertionError("a model was built before libtpu was checked")
-  monkeypatch.setattr(topology, "libtpu_installed", lambda: False)
+  monkeypatch.setattr(libtpu_flags, "libtpu_installed", lambda: False)
   monkeypatch.setattr(steps, "PROGRAMS", {"retro": build})
   with pytest.raises(ValueError, match=r'needs libtpu.*pip install -e "\.\[tpu-compile\]"'):
     aot.compile_for(_tiny_retro(), "retro", "v5e-8")
@@ -547,7 +548,6 @@ def test_random_bits_are_drawn_per_device_on_a_tpu_slice():
 
 
 def test_libtpu_flags_are_added_once_and_a_users_own_value_is_kept():
-  from realm_jax import libtpu_flags
   env = {}
   libtpu_flags.add(env)
   assert env["LIBTPU_INIT_ARGS"].split() == list(libtpu_flags.FLAGS)
@@ -556,3 +556,64 @@ def test_libtpu_flags_are_added_once_and_a_users_own_value_is_kept():
   env = {"LIBTPU_INIT_ARGS": "--xla_tpu_spmd_rng_bit_generator_unsafe=false --other=1"}
   libtpu_flags.add(env)
   assert env["LIBTPU_INIT_ARGS"] == "--xla_tpu_spmd_rng_bit_generator_unsafe=false --other=1"
+
+
+def _fake_machine(root, pci=(), nodes=()):
+  """A file tree under `root` with PCI devices (vendor, device) and device nodes, as in /."""
+  for i, (vendor, device) in enumerate(pci):
+    d = root / "sys/bus/pci/devices" / f"0000:00:{i:02x}.0"
+    d.mkdir(parents=True)
+    (d / "vendor").write_text(vendor + "\n")
+    (d / "device").write_text(device + "\n")
+  for node in nodes:
+    (root / node).parent.mkdir(parents=True, exist_ok=True)
+    (root / node).write_text("")
+  return str(root)
+
+
+def test_an_accelerator_is_seen_by_its_tpu_chip_or_device_node_and_not_by_a_google_nic(tmp_path):
+  gvnic, intel = ("0x1ae0", "0x0042"), ("0x8086", "0x0063")  # a TPU's id under another vendor
+  cpu_only = _fake_machine(tmp_path / "cpu", pci=[gvnic, intel, ("0x1af4", "0x1000")],
+                           nodes=["dev/null", "dev/vfio/vfio"])
+  assert not libtpu_flags.accelerator_visible(cpu_only)
+  for name, pci, nodes in [("v5e", [gvnic, ("0x1ae0", "0x0063")], []),
+                           ("v4", [("0x1ae0", "0x005e")], []), ("accel", [], ["dev/accel0"]),
+                           ("vfio", [], ["dev/vfio/0"]), ("nvidia", [], ["dev/nvidiactl"]),
+                           ("wsl", [], ["dev/dxg"]), ("rocm", [], ["dev/kfd"])]:
+    assert libtpu_flags.accelerator_visible(_fake_machine(tmp_path / name, pci, nodes)), name
+
+
+def test_jax_is_kept_to_the_cpu_only_with_libtpu_no_accelerator_and_no_choice_of_the_user(
+    tmp_path, monkeypatch):
+  cpu_only = _fake_machine(tmp_path / "cpu", pci=[("0x1ae0", "0x0042")])
+  tpu = _fake_machine(tmp_path / "tpu", nodes=["dev/accel0"])
+  monkeypatch.setattr(libtpu_flags, "libtpu_installed", lambda environ=None: True)
+  env = {}
+  assert libtpu_flags.cpu_without_accelerator(env, root=cpu_only)
+  assert env == {"JAX_PLATFORMS": "cpu"}
+  for given in ("", "cuda", "tpu,cpu"):  # the user's choice stands, an empty one too
+    env = {"JAX_PLATFORMS": given}
+    assert not libtpu_flags.cpu_without_accelerator(env, root=cpu_only)
+    assert env == {"JAX_PLATFORMS": given}
+  env = {}
+  assert not libtpu_flags.cpu_without_accelerator(env, root=tpu) and env == {}
+  monkeypatch.setattr(libtpu_flags, "libtpu_installed", lambda environ=None: False)
+  assert not libtpu_flags.cpu_without_accelerator(env, root=cpu_only) and env == {}
+
+
+@needs_libtpu
+@pytest.mark.skipif(libtpu_flags.accelerator_visible(), reason="this machine has an accelerator")
+def test_an_entry_point_on_a_machine_without_a_tpu_does_not_start_libtpu(tmp_path):
+  """With libtpu installed (the test extra) and no JAX_PLATFORMS, JAX alone would start libtpu
+  first: it prints an `E0000 ... TPU_WORKER_HOSTNAMES` error and more before the CPU is used."""
+  script = tmp_path / "entry.py"
+  script.write_text("import jax\nfrom realm_jax import cli\n\n"
+                    "def main(argv):\n  print(jax.default_backend(), len(jax.devices()))\n\n"
+                    "cli.run(main)\n")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120)
+  assert run.returncode == 0, run.stderr
+  assert run.stdout.split()[0] == "cpu"
+  for noise in ("TPU_WORKER_HOSTNAMES", "E0000", "libtpu", "backend 'tpu'"):
+    assert noise not in run.stderr, run.stderr

@@ -19,7 +19,6 @@ Compiling for a slice needs libtpu, the `tpu-compile` extra: `pip install -e ".[
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
 import re
@@ -150,19 +149,13 @@ def parse(name: str) -> Topology:
   return Topology(name, chip, shape)
 
 
-def libtpu_installed() -> bool:
-  """Whether the TPU compiler can load: the libtpu package, or a library TPU_LIBRARY_PATH names."""
-  return (importlib.util.find_spec("libtpu") is not None
-          or os.path.isfile(os.environ.get("TPU_LIBRARY_PATH", "")))
-
-
 def devices(topology: Topology) -> list:
   """The devices to compile for: compile-only TPU devices of the slice from libtpu (no TPU
   attached), or the CPU devices. ValueError saying how to install libtpu when it is missing."""
   import jax
   if topology.chip is None:
     return jax.devices("cpu")[:topology.num_devices]
-  if not libtpu_installed():
+  if not libtpu_flags.libtpu_installed():
     raise ValueError(f"--topology={topology.name}: compiling for a TPU needs libtpu, which is not "
                      f"installed: {INSTALL_HINT}.")
   # Another process that loaded libtpu (any JAX program started without JAX_PLATFORMS=cpu) holds
