@@ -24,7 +24,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  cli.quiet_library_logs()
   config_checks.workdir(_WORKDIR.value)
   if _TABLE_ONLY.value:
     if not io_utils.as_path(_WORKDIR.value).is_dir():

@@ -20,7 +20,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  cli.quiet_library_logs()
   dpr.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 

@@ -47,7 +47,6 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  cli.quiet_library_logs()
   workdir = _WORKDIR.value
   if _LIMIT.value < 0:  # a negative slice would silently drop the last questions
     raise ValueError(f"--limit={_LIMIT.value}: pass a number of questions >= 1, or 0 for all.")

@@ -22,7 +22,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  cli.quiet_library_logs()
   best = finetune.finetune(_CONFIG.value, _WORKDIR.value)
   print(f"Best dev EM {best['dev_em']:.2f} (recall@5 {best['dev_recall']:.2f}) at step "
         f"{best['step']}, kept in {_WORKDIR.value}/{open_qa.BEST}")

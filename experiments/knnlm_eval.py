@@ -65,7 +65,6 @@ def _options(values) -> dict:
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  cli.quiet_library_logs()
   workdir = _WORKDIR.value
   if not workdir and not (_DB.value and _MODELS.value and _OUT.value):
     cli.fail("give --workdir (a retro_train.py work directory), or all of --db, --models, --out.")

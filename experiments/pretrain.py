@@ -19,7 +19,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  cli.quiet_library_logs()
   pretrain.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 

@@ -22,7 +22,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  cli.quiet_library_logs()
   # Before the wait for the trainer's config (minutes).
   config_checks.workdir(_WORKDIR.value)
   if not (math.isfinite(_POLL.value) and _POLL.value > 0):

@@ -32,7 +32,6 @@ _OTHER = flags.DEFINE_bool("other_neighbours", False, "Also score each RETRO mod
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  cli.quiet_library_logs()
   workdir = _WORKDIR.value
   if not workdir and not (_DB.value and _MODELS.value and _OUT.value):
     cli.fail("give --workdir (a retro_train.py work directory), or all of --db, --models, --out.")

@@ -32,7 +32,6 @@ flags.mark_flags_as_required(["prompt"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  cli.quiet_library_logs()
   if not (_WORKDIR.value or (_MODEL.value and _DB.value)):
     cli.fail("give --workdir (a retro_train.py work directory), or both --model and --db.")
   if not _PROMPT.value.strip():

@@ -21,7 +21,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  cli.quiet_library_logs()
   report = retro.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   print(retro.summary(report, _WORKDIR.value))
 

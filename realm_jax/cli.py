@@ -13,6 +13,9 @@ config lacks, and the errors the library raises for what the user gave it: Value
 bad lines in data files, JSON that does not parse) and OSError (missing, unreadable or unwritable
 files and directories). Anything else is a bug and keeps its traceback. REALM_JAX_TRACEBACK=1 shows
 the traceback of a user error too.
+
+`run` also keeps JAX from starting libtpu where no TPU is (libtpu_flags.py) and drops the lines
+libraries log on every run that are no news to the user (`keep_log_record`).
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ def run(main: Callable[[list[str]], None], stray_hint: str = "") -> None:
   def guarded(argv: list[str]) -> None:
     libtpu_flags.add()  # before anything starts libtpu (a TPU run; compile_for)
     libtpu_flags.cpu_without_accelerator()  # no libtpu start, and its stderr, without a TPU
+    quiet_library_logs()
     if len(argv) > 1:
       fail(f"unexpected arguments {argv[1:]}: "
            f"{stray_hint or 'every setting is a --flag=value (see --helpshort)'}.")
@@ -133,15 +137,31 @@ def run(main: Callable[[list[str]], None], stray_hint: str = "") -> None:
   app.run(guarded, flags_parser=_parse_flags)
 
 
-def quiet_library_logs() -> None:
-  """Drops the INFO chatter of orbax and grain (dozens of lines per checkpoint) from absl's log;
-  their warnings and errors still show."""
+# Lines that libraries log on every run of realm_jax's and are no news to its user: TFDS's warnings
+# that a builder of realm_jax's own datasets takes a custom config (printed whole) and that the
+# version folder of a dataset not built yet has no dataset_info.json.
+ROUTINE_WARNINGS = {"tensorflow_datasets": ("Using custom data configuration: %s",
+                                            "Variant folder %s has no %s")}
+CHATTY_LIBRARIES = ("orbax", "grain")  # dozens of INFO lines per checkpoint
+
+
+def keep_log_record(record) -> bool:
+  """Whether a log record is shown: not the INFO chatter of CHATTY_LIBRARIES (their warnings and
+  errors show) and not ROUTINE_WARNINGS (matched by the message's format)."""
   import logging
+
+  def logged_by(lib):
+    return f"{os.sep}{lib}{os.sep}" in record.pathname
+
+  if record.levelno < logging.WARNING and any(logged_by(lib) for lib in CHATTY_LIBRARIES):
+    return False
+  return not any(logged_by(lib) and record.msg in formats
+                 for lib, formats in ROUTINE_WARNINGS.items())
+
+
+def quiet_library_logs() -> None:
+  """Applies `keep_log_record` to absl's log, once per process; every entry point (`run`) does."""
   from absl import logging as absl_logging
-
-  class _Filter(logging.Filter):
-    def filter(self, record):
-      noisy = any(f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("orbax", "grain"))
-      return record.levelno >= logging.WARNING or not noisy
-
-  absl_logging.get_absl_handler().addFilter(_Filter())
+  handler = absl_logging.get_absl_handler()
+  if keep_log_record not in handler.filters:
+    handler.addFilter(keep_log_record)

@@ -171,6 +171,35 @@ def test_corpus_builds_and_gives_random_access(tmp_path, vocab_file, caplog):
   assert len(changed) == 2 and changed.data_dir != corpus.data_dir
 
 
+
+def test_routine_tfds_warnings_of_a_build_are_dropped_and_its_own_lines_shown(tmp_path,
+                                                                             vocab_file, caplog):
+  """TFDS warns at every first build of a realm_jax dataset that it takes a custom config (the
+  config printed whole, twice) and that the version folder has no dataset_info.json yet: the log
+  filter of every entry point (cli.keep_log_record) drops exactly those, not the build's own."""
+  from realm_jax import cli
+  docs = [{"title": "Paris", "text": "Paris is the capital of France."}] * 2
+  config = CorpusConfig(source="jsonl", paths=(write_jsonl(tmp_path / "d.jsonl", docs),),
+                        vocab_file=vocab_file)
+  with caplog.at_level("INFO"):
+    Corpus.build(str(tmp_path / "data"), config)
+  dropped = [r for r in caplog.records if not cli.keep_log_record(r)]
+  assert {(r.levelname, r.msg) for r in dropped} == {
+      ("WARNING", "Using custom data configuration: %s"),
+      ("WARNING", "Variant folder %s has no %s")}
+  assert all(f"{os.sep}tensorflow_datasets{os.sep}" in r.pathname for r in dropped)
+  shown = [r.getMessage() for r in caplog.records if cli.keep_log_record(r)]
+  assert any("Skipped 1 duplicate blocks" in m for m in shown)
+  assert any("Generating dataset realm_blocks" in m for m in shown)  # TFDS's INFO line stays
+  # The same text logged by another library is shown; orbax and grain lose INFO, not warnings.
+  def record(lib, level, msg):
+    path = os.path.join(os.sep, "site-packages", lib, "x.py")
+    return logging.LogRecord("absl", level, path, 1, msg, ("a", "b"), None)
+  assert cli.keep_log_record(record("realm_jax", logging.WARNING, "Variant folder %s has no %s"))
+  for lib in cli.CHATTY_LIBRARIES:
+    assert not cli.keep_log_record(record(lib, logging.INFO, "Saved %s %s"))
+    assert cli.keep_log_record(record(lib, logging.WARNING, "Waiting for %s %s"))
+
 KILLED_BUILD = """
 import os, signal, sys
 from realm_jax.data import corpus as c
