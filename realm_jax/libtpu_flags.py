@@ -39,10 +39,10 @@ def add(environ=None) -> None:
 # TPU7x); a Google NIC or disk (gVNIC, NVMe) has the same vendor and another id.
 GOOGLE_PCI_VENDOR = "0x1ae0"
 TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")
-# Device nodes of an accelerator JAX may use: a TPU VM's chips (accel, vfio groups) and NVIDIA
-# (nvidia0, nvidiactl, WSL2's dxg) or AMD (kfd) GPUs.
+# Device nodes of an accelerator JAX may use: a TPU VM's chips (accel, vfio groups), NVIDIA
+# (nvidia0, nvidiactl, WSL2's dxg) or AMD (kfd) GPUs, and any GPU's render node (dri/renderD*).
 ACCELERATOR_NODES = ("dev/accel*", "dev/vfio/[0-9]*", "dev/nvidia0", "dev/nvidiactl", "dev/dxg",
-                     "dev/kfd")
+                     "dev/kfd", "dev/dri/renderD*")
 
 
 def accelerator_visible(root: str = "/") -> bool:

@@ -574,12 +574,13 @@ def _fake_machine(root, pci=(), nodes=()):
 def test_an_accelerator_is_seen_by_its_tpu_chip_or_device_node_and_not_by_a_google_nic(tmp_path):
   gvnic, intel = ("0x1ae0", "0x0042"), ("0x8086", "0x0063")  # a TPU's id under another vendor
   cpu_only = _fake_machine(tmp_path / "cpu", pci=[gvnic, intel, ("0x1af4", "0x1000")],
-                           nodes=["dev/null", "dev/vfio/vfio"])
+                           nodes=["dev/null", "dev/vfio/vfio", "dev/dri/card0"])
   assert not libtpu_flags.accelerator_visible(cpu_only)
   for name, pci, nodes in [("v5e", [gvnic, ("0x1ae0", "0x0063")], []),
                            ("v4", [("0x1ae0", "0x005e")], []), ("accel", [], ["dev/accel0"]),
                            ("vfio", [], ["dev/vfio/0"]), ("nvidia", [], ["dev/nvidiactl"]),
-                           ("wsl", [], ["dev/dxg"]), ("rocm", [], ["dev/kfd"])]:
+                           ("wsl", [], ["dev/dxg"]), ("rocm", [], ["dev/kfd"]),
+                           ("render", [], ["dev/dri/renderD128"])]:
     assert libtpu_flags.accelerator_visible(_fake_machine(tmp_path / name, pci, nodes)), name
 
 
