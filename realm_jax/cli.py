@@ -20,6 +20,7 @@ libraries log on every run that are no news to the user (`keep_log_record`).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -148,7 +149,6 @@ CHATTY_LIBRARIES = ("orbax", "grain")  # dozens of INFO lines per checkpoint
 def keep_log_record(record) -> bool:
   """Whether a log record is shown: not the INFO chatter of CHATTY_LIBRARIES (their warnings and
   errors show) and not ROUTINE_WARNINGS (matched by the message's format)."""
-  import logging
 
   def logged_by(lib):
     return f"{os.sep}{lib}{os.sep}" in record.pathname
